@@ -1,0 +1,24 @@
+"""Remove the files the chosen variant does not use, and make the launch scripts executable."""
+
+import json
+import stat
+import sys
+from pathlib import Path
+
+ANSWERS = json.loads({{ cookiecutter | tojson | tojson }})
+UNUSED = {"run_multi.sh": ANSWERS["nodes"] != "multi"}
+
+
+def main():
+    project = Path.cwd()
+    for name, unused in UNUSED.items():
+        if unused:
+            (project / name).unlink()
+    for script in project.glob("*.sh"):
+        mode = script.stat().st_mode
+        script.chmod(mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

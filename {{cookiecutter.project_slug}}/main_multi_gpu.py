@@ -1,0 +1,544 @@
+{% set spawn = cookiecutter.launcher == "spawn" %}
+{% set multi = cookiecutter.nodes == "multi" %}
+{% set strategy = cookiecutter.save_strategy %}
+# {{ cookiecutter.project_name }}
+#
+# Data-parallel training with PyTorch DistributedDataParallel (DDP): one process per GPU
+# (or two on CPU), each training a replica of the model on its share of every batch.
+# The four changes from a single-GPU script are marked "DDP change N":
+#   1. join the process group described by the launcher's environment
+#   2. a DistributedSampler shards the data, and set_epoch reshuffles it every epoch
+#   3. the model is wrapped in DDP, which averages gradients across processes
+#   4. only rank 0 prints and saves (the plain model, model.module)
+# Your own data, model and loss go in the three functions marked "EDIT HERE".
+"""Train a model with DistributedDataParallel; run with --help for the options."""
+
+import argparse
+import csv
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from pickle import UnpicklingError
+
+import torch
+import torch.distributed as dist
+{% if spawn %}
+import torch.multiprocessing as mp
+{% endif %}
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+{% if cookiecutter.use_batch_sampler %}
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    Subset,
+    TensorDataset,
+)
+{% else %}
+from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
+{% endif %}
+from tqdm import tqdm
+
+NUM_CLASSES = 10
+LOG_EVERY = 20  # steps between progress-bar loss updates (each one waits for the GPU)
+# What torch.load raises for a missing, truncated, corrupt or unsafe checkpoint.
+LOAD_ERRORS = (OSError, EOFError, RuntimeError, TypeError, UnpicklingError, ValueError)
+# Columns of metrics.csv, one row per epoch.
+METRICS = ["epoch", "train_loss", "val_loss", "val_acc", "lr"]
+METRICS += ["samples_per_s", "epoch_s"]
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--batch-size", type=int, default=32, help="per process")
+    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-workers", type=int, default=2, help="per process")
+    parser.add_argument("--train-size", type=int, default=2048)
+    parser.add_argument("--val-size", type=int, default=512)
+    parser.add_argument("--output-dir", default="outputs")
+    parser.add_argument(
+        "--resume",
+        default="auto",
+        metavar="{auto,never,PATH}",
+        help="auto: continue from OUTPUT_DIR/checkpoint_last.pt when it exists",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=("auto", "nccl", "gloo"),
+        default="auto",
+        help="auto: nccl when CUDA is usable, else gloo",
+    )
+    parser.add_argument(
+        "--preflight",
+        action="store_true",
+        help="check every rank and the network, print a table, exit without training",
+    )
+{% if spawn %}
+    parser.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=torch.cuda.device_count() or 2,
+        help="processes on this machine (default: one per GPU, or 2 on CPU)",
+    )
+{% if multi %}
+    parser.add_argument("--nnodes", type=int, default=1, help="machines taking part")
+    parser.add_argument("--node-rank", type=int, default=0, help="0 to nnodes - 1")
+    parser.add_argument("--master-addr", default="127.0.0.1", help="node 0's address")
+    parser.add_argument(
+        "--master-port",
+        type=int,
+        help="port on node 0 (default: a free port; 29500 when nnodes > 1)",
+    )
+{% else %}
+    parser.add_argument("--master-port", type=int, help="default: a free port")
+{% endif %}
+    # Accepted for torch.distributed.launch compatibility and ignored: workers get their
+    # rank from mp.spawn.
+{% else %}
+    # DDP change 1: torch.distributed.launch passes --local-rank=N; LOCAL_RANK from the
+    # environment (set by torchrun and by torch.distributed.launch) is what counts.
+{% endif %}
+    parser.add_argument("--local-rank", "--local_rank", help=argparse.SUPPRESS)
+    return parser.parse_args()
+
+
+# --------------------------------------------------------------------------------------
+# EDIT HERE: your data. Return (train_set, val_set), any map-style datasets.
+# --------------------------------------------------------------------------------------
+def build_datasets(args):
+    """A synthetic 10-class image task, identical on every rank for a given seed.
+
+    For your own data, return e.g. torchvision.datasets.ImageFolder("data/train", ...)
+    and ImageFolder("data/val", ...). Download data before launching, or on local rank 0
+    followed by dist.barrier(), so processes don't write the same files at once.
+    """
+    generator = torch.Generator().manual_seed(args.seed)
+    prototypes = torch.randn(NUM_CLASSES, 3, 16, 16, generator=generator)
+
+    def make(size):
+        labels = torch.randint(NUM_CLASSES, (size,), generator=generator)
+        noise = torch.randn(size, 3, 16, 16, generator=generator)
+        return TensorDataset(prototypes[labels] + 2 * noise, labels)
+
+    return make(args.train_size), make(args.val_size)
+
+
+# --------------------------------------------------------------------------------------
+# EDIT HERE: your model. Normalization layers are written inline, to swap in one place.
+# --------------------------------------------------------------------------------------
+def build_model():
+    return nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1, bias=False),
+        nn.BatchNorm2d(32),
+        nn.ReLU(inplace=True),
+        nn.Conv2d(32, 64, 3, stride=2, padding=1, bias=False),
+        nn.BatchNorm2d(64),
+        nn.ReLU(inplace=True),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(64, NUM_CLASSES),
+    )
+
+
+# --------------------------------------------------------------------------------------
+# EDIT HERE: your loss and metric.
+# --------------------------------------------------------------------------------------
+def compute_loss(outputs, targets):
+    """Mean over the batch: DDP averages gradients over ranks, so W ranks x B samples
+    train exactly like one process with W*B samples."""
+    return F.cross_entropy(outputs, targets)
+
+
+def count_correct(outputs, targets):
+    return (outputs.argmax(dim=1) == targets).sum()
+
+
+# --------------------------------------------------------------------------------------
+# Distributed plumbing
+# --------------------------------------------------------------------------------------
+def setup_distributed(backend):
+    """DDP change 1: join the process group and pick this process's device.
+
+    A single-GPU script would only pick a device.
+    """
+    cuda = torch.cuda.is_available()
+    if backend == "auto":
+        backend = "nccl" if cuda else "gloo"
+    if backend == "nccl" and not cuda:
+        raise SystemExit("error: --backend nccl needs a CUDA GPU; none is visible")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if backend == "nccl" and local_world_size > torch.cuda.device_count():
+        raise SystemExit(
+            f"error: {local_world_size} processes on this machine, "
+            f"{torch.cuda.device_count()} GPUs visible: NCCL needs one GPU per process"
+        )
+    if cuda:
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)  # before anything else touches CUDA
+    else:
+        device = torch.device("cpu")
+{% if spawn %}
+    dist.init_process_group(backend)  # reads RANK, WORLD_SIZE, MASTER_ADDR/PORT
+{% else %}
+    if "RANK" in os.environ:
+        dist.init_process_group(backend)  # RANK, WORLD_SIZE, MASTER_ADDR/PORT
+    else:  # started without a launcher (python main_multi_gpu.py): a group of one
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+{% endif %}
+    return device
+
+
+def print0(*args, **kwargs):
+    """DDP change 4: only rank 0 prints, so messages appear once, not once per rank."""
+    if dist.get_rank() == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def build_loaders(train_set, val_set, args, device):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    common = {
+        "num_workers": args.num_workers,
+        "pin_memory": device.type == "cuda",
+        "persistent_workers": args.num_workers > 0,
+    }
+    # DDP change 2: each rank reads a different 1/world_size of the training set
+    # (a single-GPU script would pass shuffle=True to the DataLoader instead).
+    train_sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed)
+{% if cookiecutter.use_batch_sampler %}
+    batch_sampler = BatchSampler(train_sampler, args.batch_size, drop_last=False)
+    train_loader = DataLoader(train_set, batch_sampler=batch_sampler, **common)
+{% else %}
+    train_loader = DataLoader(
+        train_set, batch_size=args.batch_size, sampler=train_sampler, **common
+    )
+{% endif %}
+    # Validation shards take every world_size-th sample with no padding, so the summed
+    # metrics count each sample exactly once (DistributedSampler would repeat some).
+    val_shard = Subset(val_set, range(rank, len(val_set), world_size))
+    val_loader = DataLoader(val_shard, batch_size=args.batch_size, **common)
+    return train_sampler, train_loader, val_loader
+
+
+@torch.no_grad()
+def evaluate(model, loader, device):
+    """Loss and accuracy over the whole validation set, exact for any world size."""
+    model.eval()
+    # Sums of loss, correct predictions and samples, in float64 for exact counts.
+    totals = torch.zeros(3, dtype=torch.float64, device=device)
+    for images, targets in loader:
+        images = images.to(device, non_blocking=True)
+        targets = targets.to(device, non_blocking=True)
+        outputs = model(images)
+        totals[0] += compute_loss(outputs, targets).double() * len(targets)
+        totals[1] += count_correct(outputs, targets)
+        totals[2] += len(targets)
+    dist.all_reduce(totals)  # sum over ranks
+    model.train()
+    loss_sum, correct, samples = totals.tolist()
+    return loss_sum / samples, correct / samples
+
+
+def preflight(device, backend):
+    """Every rank reports where it runs, then one all-reduce and a bandwidth probe."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    ones = torch.ones(1, device=device)
+    dist.all_reduce(ones)
+    if ones.item() != world_size:
+        raise SystemExit(f"error: all-reduce gave {ones.item()}, not {world_size}")
+    payload = torch.ones(8 * 2**20, device=device)  # 32 MiB of float32
+    dist.all_reduce(payload)  # warm-up
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start, repeats = time.perf_counter(), 5
+    for _ in range(repeats):
+        dist.all_reduce(payload)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / repeats
+    # Bus bandwidth, as nccl-tests reports it: what each link carries in a ring.
+    gb_per_s = payload.numel() * 4 * 2 * (world_size - 1) / world_size / seconds / 1e9
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    local_rank = os.environ.get("LOCAL_RANK", "0")
+    row = f"{rank:>4}  {socket.gethostname():<20} {local_rank:>5}  {device} {name:<24}"
+    rows = [None] * world_size
+    dist.all_gather_object(rows, f"{row} {gb_per_s:>8.2f}")
+    print0(f"preflight: {world_size} ranks, backend {backend}, all-reduce ok")
+    print0(f"{'rank':>4}  {'host':<20} {'local':>5}  {'device':<29} {'GB/s':>8}")
+    print0("\n".join(rows))
+
+
+# --------------------------------------------------------------------------------------
+# Checkpoints and metrics (rank 0 writes; every rank reads through rank 0)
+# --------------------------------------------------------------------------------------
+def save_atomic(obj, path):
+    """Write a temporary file, then rename it: a crash mid-write keeps the old file."""
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_checkpoint(resume, last_path):
+    """Return the checkpoint to resume from, or None to start fresh.
+
+    Rank 0 reads it and sends it to the other ranks, so machines need not share a disk.
+    """
+    message = [None, None]  # checkpoint, error
+    path = last_path if resume == "auto" else Path(resume)
+    wanted = resume != "never" and (resume != "auto" or path.exists())
+    if dist.get_rank() == 0 and wanted:
+        try:
+            # weights_only=True: a checkpoint is data; never run code from a pickle.
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+            if not {"model", "optimizer", "epoch"} <= set(checkpoint):
+                raise ValueError("no model, optimizer and epoch: not a checkpoint")
+            message[0] = checkpoint | {"path": str(path)}
+        except LOAD_ERRORS as err:
+            reason = (str(err).strip() or type(err).__name__).splitlines()[0]
+            message[1] = f"error: cannot resume from {path}: {reason}"
+    dist.broadcast_object_list(message, src=0)
+    if message[1] is not None:
+        print0(message[1], file=sys.stderr)
+        raise SystemExit(1)
+    return message[0]
+
+
+def start_metrics(path, done):
+    """Keep the rows of epochs already done (none on a fresh start); drop the rest."""
+    rows = []
+    if done and path.exists():
+        with path.open(newline="") as f:
+            rows = [row for row in csv.DictReader(f) if int(row["epoch"]) <= done]
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, METRICS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def append_metrics(path, row):
+    with path.open("a", newline="") as f:
+        csv.DictWriter(f, METRICS).writerow(row)
+
+
+# --------------------------------------------------------------------------------------
+# Training
+# --------------------------------------------------------------------------------------
+def train(args, device):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    is_main = rank == 0
+    out_dir = Path(args.output_dir)
+    if is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+
+    torch.manual_seed(args.seed)  # same data and initial weights on every rank
+    train_set, val_set = build_datasets(args)
+    train_sampler, train_loader, val_loader = build_loaders(
+        train_set, val_set, args, device
+    )
+    model = build_model()
+{% if cookiecutter.sync_bn %}
+    if device.type == "cuda":
+        # DDP change 3a: BatchNorm statistics over the global batch, not per rank.
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    else:
+        print0(
+            "warning: SyncBatchNorm runs on GPUs only; training with BatchNorm on CPU",
+            file=sys.stderr,
+        )
+{% endif %}
+    model.to(device)
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4
+    )
+    # Linear warm-up over the first epoch: large global batches (many GPUs) need it.
+    warmup = len(train_loader)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: min(1.0, (step + 1) / warmup)
+    )
+
+    start_epoch = 0
+{% if strategy == "best" %}
+    best_val_loss = float("inf")
+{% endif %}
+    checkpoint = load_checkpoint(args.resume, out_dir / "checkpoint_last.pt")
+    if checkpoint is not None:
+        model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        scheduler.load_state_dict(checkpoint["scheduler"])
+        start_epoch = checkpoint["epoch"]
+{% if strategy == "best" %}
+        best_val_loss = checkpoint["best_val_loss"]
+{% endif %}
+        print0(f"resumed from {checkpoint['path']} after epoch {start_epoch}")
+    if is_main:
+        start_metrics(out_dir / "metrics.csv", start_epoch)
+
+    # DDP change 3: wrap the model. Its backward pass averages gradients over all ranks,
+    # so every replica takes the same optimizer step.
+    device_ids = [device.index] if device.type == "cuda" else None
+    model = DDP(model, device_ids=device_ids, gradient_as_bucket_view=True)
+
+    for epoch in range(start_epoch, args.epochs):
+        # DDP change 2: a new shuffle each epoch, the same on every rank. Without this
+        # call every epoch repeats the first epoch's order.
+        train_sampler.set_epoch(epoch)
+        # Per-rank randomness (dropout, augmentation), repeated exactly after a resume.
+        torch.manual_seed(args.seed + epoch * world_size + rank)
+        model.train()
+        start = time.perf_counter()
+        loss_sum = torch.zeros((), device=device)
+        samples = 0
+        progress = tqdm(
+            train_loader,
+            desc=f"epoch {epoch + 1}/{args.epochs}",
+            leave=False,
+            disable=not (is_main and sys.stderr.isatty()),
+        )
+        for step, (images, targets) in enumerate(progress):
+            images = images.to(device, non_blocking=True)
+            targets = targets.to(device, non_blocking=True)
+            loss = compute_loss(model(images), targets)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()  # DDP all-reduces gradients here, overlapped with backward
+            optimizer.step()
+            scheduler.step()
+            loss_sum += loss.detach() * len(targets)  # on the device: no sync per step
+            samples += len(targets)
+            if not progress.disable and step % LOG_EVERY == 0:
+                progress.set_postfix(loss=f"{loss.item():.4f}")
+        train_seconds = time.perf_counter() - start
+        totals = torch.stack([loss_sum, torch.tensor(float(samples), device=device)])
+        dist.all_reduce(totals)
+        train_loss, global_samples = totals.tolist()
+
+        # Evaluate the weights rank 0 saves: parameters match on every rank, but each
+        # rank keeps its own BatchNorm running statistics, so take rank 0's. Use
+        # model.module: DDP's forward would wait for ranks with more validation batches.
+        for buffer in model.module.buffers():
+            dist.broadcast(buffer, src=0)
+        val_loss, val_acc = evaluate(model.module, val_loader, device)
+
+        if is_main:
+            row = {
+                "epoch": epoch + 1,
+                "train_loss": f"{train_loss / global_samples:.6f}",
+                "val_loss": f"{val_loss:.6f}",
+                "val_acc": f"{val_acc:.6f}",
+                "lr": f"{scheduler.get_last_lr()[0]:.6g}",
+                "samples_per_s": f"{global_samples / train_seconds:.1f}",
+                "epoch_s": f"{time.perf_counter() - start:.3f}",
+            }
+            append_metrics(out_dir / "metrics.csv", row)
+            summary = "  ".join(f"{key} {row[key]}" for key in METRICS[1:])
+            print(f"epoch {epoch + 1}/{args.epochs}  {summary}", flush=True)
+{% if strategy != "final_only" %}
+{% if strategy == "best" %}
+            improved = val_loss < best_val_loss
+            best_val_loss = min(best_val_loss, val_loss)
+{% endif %}
+            # DDP change 4: rank 0 alone saves, and saves the plain model, model.module,
+            # so the weights load without DDP and without a "module." prefix.
+            checkpoint = {
+                "model": model.module.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "epoch": epoch + 1,
+{% if strategy == "best" %}
+                "best_val_loss": best_val_loss,
+{% endif %}
+                "args": vars(args),
+            }
+            save_atomic(checkpoint, out_dir / "checkpoint_last.pt")
+{% if strategy == "best" %}
+            if improved:
+                save_atomic(checkpoint, out_dir / "checkpoint_best.pt")
+{% elif strategy == "every_epoch" %}
+            save_atomic(checkpoint, out_dir / f"checkpoint_epoch{epoch + 1:03d}.pt")
+{% endif %}
+{% endif %}
+
+    if is_main:
+        # DDP change 4: the plain model's weights, saved once.
+        save_atomic(model.module.state_dict(), out_dir / "model_final.pt")
+        print(f"saved {out_dir / 'model_final.pt'}", flush=True)
+
+
+def run(args):
+    """One process's life: join the group, train (or check), always leave the group."""
+    device = setup_distributed(args.backend)
+    try:
+        if args.preflight:
+            preflight(device, dist.get_backend())
+        else:
+            train(args, device)
+        dist.barrier()  # everyone finishes together, after rank 0's last save
+    finally:
+        dist.destroy_process_group()
+{% if spawn %}
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def worker(local_rank, args, master_port):
+    """Entry point of each process that mp.spawn starts, with local_rank 0..nproc-1."""
+    # DDP change 1: describe this process in the environment, as torchrun would.
+    os.environ.update(
+{% if multi %}
+        MASTER_ADDR=args.master_addr,
+        MASTER_PORT=str(master_port),
+        RANK=str(args.node_rank * args.nproc_per_node + local_rank),
+        WORLD_SIZE=str(args.nnodes * args.nproc_per_node),
+{% else %}
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(master_port),
+        RANK=str(local_rank),
+        WORLD_SIZE=str(args.nproc_per_node),
+{% endif %}
+        LOCAL_RANK=str(local_rank),
+        LOCAL_WORLD_SIZE=str(args.nproc_per_node),
+    )
+    # Share the CPU cores between processes instead of oversubscribing them.
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.nproc_per_node))
+    run(args)
+
+
+def main():
+    args = parse_args()
+{% if multi %}
+    master_port = args.master_port or (29500 if args.nnodes > 1 else free_port())
+    first_rank = args.node_rank * args.nproc_per_node
+{% else %}
+    master_port = args.master_port or free_port()
+    first_rank = 0
+{% endif %}
+    # DDP change 1: start one process per GPU; if one fails, mp.spawn stops the others.
+    try:
+        mp.spawn(worker, args=(args, master_port), nprocs=args.nproc_per_node)
+    except mp.ProcessException as error:
+        print(error, file=sys.stderr)
+        rank = first_rank + error.error_index
+        sys.exit(f"error: rank {rank} failed; the other workers were stopped")
+
+
+if __name__ == "__main__":
+    main()
+{% else %}
+
+
+if __name__ == "__main__":
+    run(parse_args())
+{% endif %}
