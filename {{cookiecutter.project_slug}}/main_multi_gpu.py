@@ -264,9 +264,11 @@ def preflight(device, backend):
     seconds = (time.perf_counter() - start) / repeats
     # Bus bandwidth, as nccl-tests reports it: what each link carries in a ring.
     gb_per_s = payload.numel() * 4 * 2 * (world_size - 1) / world_size / seconds / 1e9
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    label = str(device)
+    if device.type == "cuda":
+        label += f" {torch.cuda.get_device_name(device)}"
     local_rank = os.environ.get("LOCAL_RANK", "0")
-    row = f"{rank:>4}  {socket.gethostname():<20} {local_rank:>5}  {device} {name:<24}"
+    row = f"{rank:>4}  {socket.gethostname():<20} {local_rank:>5}  {label:<29}"
     rows = [None] * world_size
     dist.all_gather_object(rows, f"{row} {gb_per_s:>8.2f}")
     print0(f"preflight: {world_size} ranks, backend {backend}, all-reduce ok")

@@ -1,0 +1,71 @@
+"""The prompt combinations the suite generates, derived from cookiecutter.json.
+
+The first five choice prompts (the contract's core) are combined in full; every later
+choice prompt is added all-pairs: each of its values meets every value of every other
+prompt at least once. A prompt added to cookiecutter.json is tested the day it lands.
+"""
+
+import itertools
+import json
+from pathlib import Path
+
+TEMPLATE = Path(__file__).resolve().parent.parent
+CONFIG = json.loads((TEMPLATE / "cookiecutter.json").read_text())
+CORE = ("nodes", "launcher", "use_batch_sampler", "sync_bn", "save_strategy")
+
+
+def choices(config=CONFIG):
+    """{prompt: [values]} for every choice and boolean prompt, in file order."""
+    result = {}
+    for key, value in config.items():
+        if isinstance(value, bool):
+            result[key] = [value, not value]
+        elif isinstance(value, list):
+            result[key] = list(value)
+    return result
+
+
+def uncovered_pairs(rows, options):
+    """Pairs ((key, value), (key, value)) that no row contains."""
+    wanted = {
+        ((a, va), (b, vb))
+        for a, b in itertools.combinations(options, 2)
+        for va in options[a]
+        for vb in options[b]
+    }
+    for row in rows:
+        wanted -= set(itertools.combinations([(k, row[k]) for k in options], 2))
+    return wanted
+
+
+def combinations(options=None, core=CORE):
+    """Full product of the core prompts; each later prompt is then assigned row by row,
+    greedily, to the value that meets the most not-yet-met values, and a row is
+    appended for any pair still missing."""
+    options = choices() if options is None else options
+    product = itertools.product(*(options[k] for k in core))
+    rows = [dict(zip(core, values, strict=True)) for values in product]
+    for key in [k for k in options if k not in core]:
+        earlier = list(rows[0])
+        met = set()
+        for row in rows:
+            row[key] = max(
+                options[key],
+                key=lambda v, row=row: sum(((k, row[k]), v) not in met for k in earlier),
+            )
+            met |= {((k, row[k]), row[key]) for k in earlier}
+        for k in earlier:
+            for value, new in itertools.product(options[k], options[key]):
+                if ((k, value), new) not in met:
+                    rows.append({**rows[0], k: value, key: new})
+                    met.add(((k, value), new))
+    return rows
+
+
+def case_id(row):
+    """Readable pytest id, e.g. nodes:single-launcher:spawn-sync_bn:true-..."""
+    return "-".join(f"{k}:{str(v).lower()}" for k, v in row.items())
+
+
+COMBINATIONS = combinations()
+IDS = [case_id(row) for row in COMBINATIONS]

@@ -1,0 +1,98 @@
+import contextlib
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from cookiecutter.main import cookiecutter
+
+from combinations import CONFIG, TEMPLATE
+
+# Tiny runs: 2 epochs of a few steps each. 37 validation samples: not divisible by the
+# world size, so the shards differ in length.
+TINY = ["--epochs", "2", "--batch-size", "8", "--train-size", "64", "--val-size", "37"]
+TINY += ["--num-workers", "0"]
+JOB_TIMEOUT = 120
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU for NCCL (none on this machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def bake(output_dir, **context):
+    """Generate a project with these answers (names checked against cookiecutter.json,
+    since cookiecutter silently ignores unknown keys) and return its folder."""
+    unknown = set(context) - set(CONFIG)
+    assert not unknown, f"not prompts in cookiecutter.json: {unknown}"
+    project = cookiecutter(
+        str(TEMPLATE), no_input=True, output_dir=str(output_dir), extra_context=context
+    )
+    return Path(project)
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def run_jobs(commands, cwd, env=None, timeout=JOB_TIMEOUT):
+    """Start every (command, extra_env) at once, like launches on several machines, wait
+    for all, and return [(returncode, output)]. Each runs in its own process group,
+    killed whole afterwards (and on timeout), so no worker outlives the test."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    procs = []
+    with contextlib.ExitStack() as stack:
+        logs = [stack.enter_context(tempfile.TemporaryFile("w+")) for _ in commands]
+        try:
+            for (command, extra), log in zip(commands, logs, strict=True):
+                procs.append(
+                    subprocess.Popen(
+                        command,
+                        cwd=cwd,
+                        env={**env, **extra},
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        text=True,
+                        start_new_session=True,
+                    )
+                )
+            codes = [proc.wait(timeout=timeout) for proc in procs]
+        finally:
+            for proc in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        outputs = []
+        for log in logs:
+            log.seek(0)
+            outputs.append(log.read())
+    return list(zip(codes, outputs, strict=True))
+
+
+def run_job(command, cwd, env=None, timeout=JOB_TIMEOUT):
+    return run_jobs([(command, env or {})], cwd, timeout=timeout)[0]
+
+
+def load_module(project):
+    """Import the generated main_multi_gpu.py, as a user's evaluation script would."""
+    spec = importlib.util.spec_from_file_location(
+        f"generated_{project.name}", project / "main_multi_gpu.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+PYTHON = sys.executable

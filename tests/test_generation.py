@@ -1,0 +1,131 @@
+"""Every combination of prompts generates a clean project."""
+
+import py_compile
+import re
+import subprocess
+
+import pytest
+
+from combinations import (
+    COMBINATIONS,
+    IDS,
+    TEMPLATE,
+    choices,
+    combinations,
+    uncovered_pairs,
+)
+from conftest import bake
+
+COMMON_FILES = {"main_multi_gpu.py", "run_single.sh", "README.md", "requirements.txt"}
+
+
+def expected_files(answers):
+    files = set(COMMON_FILES)
+    if answers["nodes"] == "multi":
+        files.add("run_multi.sh")
+    return files
+
+
+def test_combinations_cover_the_contract():
+    assert choices() == {
+        "nodes": ["single", "multi"],
+        "launcher": ["torchrun", "spawn"],
+        "use_batch_sampler": [True, False],
+        "sync_bn": [False, True],
+        "save_strategy": ["last", "best", "every_epoch", "final_only"],
+    }
+    assert len(COMBINATIONS) == 2 * 2 * 2 * 2 * 4
+    assert len(set(IDS)) == len(IDS)
+    assert "nodes:single-launcher:torchrun" in IDS[0]
+
+
+def test_later_prompts_are_combined_all_pairs():
+    options = {
+        "a": [1, 2],
+        "b": ["x", "y", "z"],
+        "later": ["p", "q", "r", "s"],
+        "flag": [True, False],
+    }
+    rows = combinations(options, core=("a", "b"))
+    assert uncovered_pairs(rows, options) == set()
+    assert {(row["a"], row["b"]) for row in rows} == {
+        (a, b) for a in options["a"] for b in options["b"]
+    }
+
+
+@pytest.fixture(scope="module")
+def baked(tmp_path_factory):
+    """All combinations, generated once into one folder (linters then run once)."""
+    root = tmp_path_factory.mktemp("baked")
+    projects = {}
+    for case, answers in zip(IDS, COMBINATIONS, strict=True):
+        projects[case] = bake(root, project_slug=f"p{len(projects)}", **answers)
+    return root, projects
+
+
+@pytest.mark.parametrize("answers", COMBINATIONS, ids=IDS)
+def test_generated_files(baked, answers):
+    project = baked[1][IDS[COMBINATIONS.index(answers)]]
+    files = {p.name for p in project.iterdir()}
+    assert files == expected_files(answers)
+    for path in project.iterdir():
+        text = path.read_text()
+        assert not re.search(r"\{\{|\{%|\{#|%\}|cookiecutter", text), path.name
+        assert text.endswith("\n") and not text.endswith("\n\n"), path.name
+        assert "\n\n\n\n" not in text, f"blank-line debris in {path.name}"
+        assert not re.search(r"[ \t]+$", text, re.MULTILINE), path.name
+    py_compile.compile(str(project / "main_multi_gpu.py"), doraise=True)
+    for script in project.glob("*.sh"):
+        assert script.stat().st_mode & 0o111 == 0o111, script.name
+        assert script.read_text().startswith("#!/usr/bin/env bash\n")
+
+
+def test_only_the_chosen_variant_is_in_the_script(baked):
+    for case, answers in zip(IDS, COMBINATIONS, strict=True):
+        code = (baked[1][case] / "main_multi_gpu.py").read_text()
+        assert ("mp.spawn(" in code) == (answers["launcher"] == "spawn"), case
+        assert ("BatchSampler(" in code) == answers["use_batch_sampler"], case
+        assert ("convert_sync_batchnorm" in code) == answers["sync_bn"], case
+        assert ("checkpoint_best" in code) == (answers["save_strategy"] == "best")
+        assert ("checkpoint_epoch" in code) == (answers["save_strategy"] == "every_epoch")
+        resumable = answers["save_strategy"] != "final_only"
+        saves_last = 'save_atomic(checkpoint, out_dir / "checkpoint_last.pt")' in code
+        assert saves_last == resumable, case
+        assert ("--nnodes" in code) == (
+            answers["launcher"] == "spawn" and answers["nodes"] == "multi"
+        )
+        for change in (1, 2, 3, 4):
+            assert f"DDP change {change}" in code, (case, change)
+
+
+def test_ruff_check_and_format(baked):
+    root = baked[0]
+    # E501 on top of ruff's defaults: no line past the formatter's 88 columns.
+    check = subprocess.run(
+        ["ruff", "check", "--no-cache", "--extend-select", "E501", "."],
+        cwd=root,
+        capture_output=True,
+        text=True,
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+    fmt = subprocess.run(
+        ["ruff", "format", "--check", "--no-cache", "."],
+        cwd=root,
+        capture_output=True,
+        text=True,
+    )
+    assert fmt.returncode == 0, fmt.stdout + fmt.stderr
+    # ruff formats main_multi_gpu.py and the Python blocks in README.md.
+    assert f"{2 * len(COMBINATIONS)} files already formatted" in fmt.stdout
+
+
+def test_shellcheck(baked):
+    scripts = sorted(str(p) for p in baked[0].glob("*/*.sh"))
+    assert len(scripts) == sum(1 + (a["nodes"] == "multi") for a in COMBINATIONS)
+    result = subprocess.run(["shellcheck", *scripts], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_template_has_no_repo_only_files():
+    names = {p.name for p in (TEMPLATE / "{{cookiecutter.project_slug}}").iterdir()}
+    assert names == COMMON_FILES | {"run_multi.sh"}
