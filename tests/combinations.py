@@ -51,7 +51,9 @@ def combinations(options=None, core=CORE):
         for row in rows:
             row[key] = max(
                 options[key],
-                key=lambda v, row=row: sum(((k, row[k]), v) not in met for k in earlier),
+                key=lambda v, row=row: sum(
+                    ((k, row[k]), v) not in met for k in earlier
+                ),
             )
             met |= {((k, row[k]), row[key]) for k in earlier}
         for k in earlier:

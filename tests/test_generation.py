@@ -87,7 +87,9 @@ def test_only_the_chosen_variant_is_in_the_script(baked):
         assert ("BatchSampler(" in code) == answers["use_batch_sampler"], case
         assert ("convert_sync_batchnorm" in code) == answers["sync_bn"], case
         assert ("checkpoint_best" in code) == (answers["save_strategy"] == "best")
-        assert ("checkpoint_epoch" in code) == (answers["save_strategy"] == "every_epoch")
+        assert ("checkpoint_epoch" in code) == (
+            answers["save_strategy"] == "every_epoch"
+        )
         resumable = answers["save_strategy"] != "final_only"
         saves_last = 'save_atomic(checkpoint, out_dir / "checkpoint_last.pt")' in code
         assert saves_last == resumable, case
@@ -106,6 +108,7 @@ def test_ruff_check_and_format(baked):
         cwd=root,
         capture_output=True,
         text=True,
+        check=False,
     )
     assert check.returncode == 0, check.stdout + check.stderr
     fmt = subprocess.run(
@@ -113,6 +116,7 @@ def test_ruff_check_and_format(baked):
         cwd=root,
         capture_output=True,
         text=True,
+        check=False,
     )
     assert fmt.returncode == 0, fmt.stdout + fmt.stderr
     # ruff formats main_multi_gpu.py and the Python blocks in README.md.

@@ -171,11 +171,11 @@ def setup_distributed(backend):
     if backend == "auto":
         backend = "nccl" if cuda else "gloo"
     if backend == "nccl" and not cuda:
-        raise SystemExit("error: --backend nccl needs a CUDA GPU; none is visible")
+        fail("error: --backend nccl needs a CUDA GPU; none is visible")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if backend == "nccl" and local_world_size > torch.cuda.device_count():
-        raise SystemExit(
+        fail(
             f"error: {local_world_size} processes on this machine, "
             f"{torch.cuda.device_count()} GPUs visible: NCCL needs one GPU per process"
         )
@@ -193,6 +193,11 @@ def setup_distributed(backend):
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 {% endif %}
     return device
+
+
+def fail(message):
+    """Stop this process with exit code 1; rank 0 prints why, so it is said once."""
+    raise SystemExit(message if os.environ.get("RANK", "0") == "0" else 1)
 
 
 def print0(*args, **kwargs):
@@ -251,7 +256,7 @@ def preflight(device, backend):
     ones = torch.ones(1, device=device)
     dist.all_reduce(ones)
     if ones.item() != world_size:
-        raise SystemExit(f"error: all-reduce gave {ones.item()}, not {world_size}")
+        fail(f"error: all-reduce gave {ones.item()}, not {world_size}")
     payload = torch.ones(8 * 2**20, device=device)  # 32 MiB of float32
     dist.all_reduce(payload)  # warm-up
     if device.type == "cuda":
@@ -309,8 +314,7 @@ def load_checkpoint(resume, last_path):
             message[1] = f"error: cannot resume from {path}: {reason}"
     dist.broadcast_object_list(message, src=0)
     if message[1] is not None:
-        print0(message[1], file=sys.stderr)
-        raise SystemExit(1)
+        fail(message[1])
     return message[0]
 
 
@@ -530,7 +534,7 @@ def main():
     # DDP change 1: start one process per GPU; if one fails, mp.spawn stops the others.
     try:
         mp.spawn(worker, args=(args, master_port), nprocs=args.nproc_per_node)
-    except mp.ProcessException as error:
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as error:
         print(error, file=sys.stderr)
         rank = first_rank + error.error_index
         sys.exit(f"error: rank {rank} failed; the other workers were stopped")

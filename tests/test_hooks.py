@@ -1,0 +1,95 @@
+"""Bad answers stop generation with a clear message and leave nothing behind;
+tricky but valid ones make working projects."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from combinations import TEMPLATE
+from conftest import TINY, bake, load_module, run_job
+
+REFUSED = [
+    ("project_slug", "a/b", "project_slug 'a/b' is not a valid Python identifier"),
+    ("project_slug", "../up", "project_slug '../up' is not a valid Python identifier"),
+    ("project_slug", "..", "project_slug '..' is not a valid Python identifier"),
+    ("project_slug", "", "project_slug '' is not a valid Python identifier"),
+    (
+        "project_slug",
+        "my-net",
+        "project_slug 'my-net' is not a valid Python identifier",
+    ),
+    (
+        "project_slug",
+        "my net",
+        "project_slug 'my net' is not a valid Python identifier",
+    ),
+    (
+        "project_name",
+        "3D net",
+        "project_slug '3d_net' is not a valid Python identifier",
+    ),
+    ("project_slug", "class", "project_slug 'class' is a Python keyword"),
+    ("project_slug", "match", "project_slug 'match' is a Python keyword"),
+    ("project_name", "two\nlines", "project_name 'two\\nlines' must be one line"),
+    ("project_name", " ", "project_name is empty"),
+    # Refused by cookiecutter itself, before the hook: still clear, still nothing left.
+    ("nodes", "three", "three provided for choice variable nodes"),
+    ("sync_bn", "maybe", "maybe provided for variable sync_bn could not be converted"),
+]
+
+
+@pytest.mark.parametrize(("key", "value", "message"), REFUSED, ids=lambda x: repr(x))
+def test_refused_answers_leave_nothing(tmp_path, key, value, message):
+    out = tmp_path / "out"
+    out.mkdir()
+    result = subprocess.run(
+        [sys.executable, "-m", "cookiecutter", "--no-input", str(TEMPLATE)]
+        + [f"{key}={value}", "--output-dir", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert result.returncode != 0
+    assert message in result.stderr
+    assert list(out.iterdir()) == []  # not even a parent folder
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+TRICKY_NAMES = [
+    'He said "hi" \\ 训练器',
+    "O'Brien's net",
+    '"""); import os; os.system("touch pwned"); ("""',
+    "$(touch pwned) `touch pwned`",
+    "训练器",
+]
+
+
+@pytest.mark.parametrize("name", TRICKY_NAMES)
+def test_tricky_names_make_valid_projects(tmp_path, name):
+    project = bake(tmp_path, project_name=name, nodes="multi")
+    assert project.name.isidentifier()
+    assert (project / "main_multi_gpu.py").read_text().startswith(f"# {name}\n")
+    assert f"# {name}\n" in (project / "README.md").read_text()
+    compile((project / "main_multi_gpu.py").read_text(), "main_multi_gpu.py", "exec")
+    for script in ("run_single.sh", "run_multi.sh"):
+        check = subprocess.run(
+            ["shellcheck", str(project / script)], capture_output=True, text=True
+        )
+        assert check.returncode == 0, check.stdout
+        syntax = subprocess.run(["bash", "-n", str(project / script)])
+        assert syntax.returncode == 0
+    assert not list(tmp_path.rglob("pwned"))
+
+
+def test_tricky_name_project_trains(tmp_path):
+    project = bake(tmp_path, project_name=TRICKY_NAMES[0], launcher="spawn")
+    code, output = run_job(
+        ["./run_single.sh", *TINY, "--output-dir", "out"],
+        project,
+        {"NPROC_PER_NODE": "2"},
+    )
+    assert code == 0, output
+    weights = torch.load(project / "out" / "model_final.pt", weights_only=True)
+    load_module(project).build_model().load_state_dict(weights)

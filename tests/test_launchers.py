@@ -1,0 +1,91 @@
+"""The other ways to start the script: the old launcher, no launcher, --preflight,
+and the one-line errors for a bad --resume or --backend."""
+
+import csv
+import re
+
+import pytest
+import torch
+
+from conftest import PYTHON, TINY, bake, run_job
+
+ENV = {"NPROC_PER_NODE": "2"}
+
+
+@pytest.fixture(scope="module")
+def torchrun_project(tmp_path_factory):
+    return bake(tmp_path_factory.mktemp("torchrun"), launcher="torchrun")
+
+
+@pytest.fixture(scope="module")
+def spawn_project(tmp_path_factory):
+    return bake(tmp_path_factory.mktemp("spawn"), launcher="spawn", nodes="multi")
+
+
+def test_old_torch_distributed_launch(torchrun_project, tmp_path):
+    # It passes --local-rank=N in argv; the script must accept and ignore it.
+    command = [PYTHON, "-m", "torch.distributed.launch", "--nproc-per-node", "2"]
+    command += ["main_multi_gpu.py", *TINY, "--output-dir", str(tmp_path)]
+    code, output = run_job(command, torchrun_project)
+    assert code == 0, output
+    assert "--local-rank=1" not in output
+    rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
+    assert [row["epoch"] for row in rows] == ["1", "2"]
+
+
+def test_without_a_launcher_is_a_group_of_one(torchrun_project, tmp_path):
+    command = [PYTHON, "main_multi_gpu.py", *TINY, "--output-dir", str(tmp_path)]
+    code, output = run_job(command, torchrun_project)
+    assert code == 0, output
+    rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
+    # 64 samples, batch 8, one process: all samples seen once per epoch.
+    assert len(rows) == 2
+    assert torch.load(tmp_path / "checkpoint_last.pt", weights_only=True)["epoch"] == 2
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
+def test_preflight_prints_one_table_and_trains_nothing(request, launcher, tmp_path):
+    project = request.getfixturevalue(f"{launcher}_project")
+    command = ["./run_single.sh", "--preflight", "--output-dir", str(tmp_path / "o")]
+    code, output = run_job(command, project, ENV)
+    assert code == 0, output
+    assert output.count("preflight: 2 ranks, backend gloo, all-reduce ok") == 1
+    rows = re.findall(
+        r"^\s+(\d)\s+(\S+)\s+(\d)\s+cpu\s+([\d.]+)$", output, re.MULTILINE
+    )
+    assert sorted(row[0] for row in rows) == ["0", "1"]
+    assert sorted(row[2] for row in rows) == ["0", "1"]
+    assert all(float(row[3]) > 0 for row in rows)
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
+def test_missing_or_corrupt_resume_is_one_clear_line(request, launcher, tmp_path):
+    project = request.getfixturevalue(f"{launcher}_project")
+    corrupt = tmp_path / "corrupt.pt"
+    corrupt.write_bytes(b"not a checkpoint")
+    for path, reason in [
+        (tmp_path / "missing.pt", "No such file or directory"),
+        (corrupt, ""),
+    ]:
+        command = ["./run_single.sh", *TINY, "--resume", str(path)]
+        code, output = run_job(command, project, ENV)
+        assert code != 0
+        lines = [l for l in output.splitlines() if "cannot resume from" in l]
+        assert lines == [
+            f"error: cannot resume from {path}: " + lines[0].split(": ", 2)[2]
+        ]
+        assert reason in lines[0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_nccl_without_a_gpu_is_a_clear_error(spawn_project):
+    command = ["./run_single.sh", *TINY, "--backend", "nccl"]
+    code, output = run_job(command, spawn_project, ENV)
+    assert code != 0
+    assert output.count("error: --backend nccl needs a CUDA GPU; none is visible") == 1
+    assert re.search(
+        r"^error: rank [01] failed; the other workers were stopped$",
+        output,
+        re.MULTILINE,
+    )

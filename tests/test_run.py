@@ -1,0 +1,107 @@
+"""Every combination trains: 2 workers on gloo (or NCCL on a GPU), 2 tiny epochs."""
+
+import csv
+import math
+
+import pytest
+import torch
+
+from combinations import COMBINATIONS, IDS
+from conftest import TINY, bake, free_port, load_module, run_job, run_jobs
+
+EPOCHS = 2
+SYNC_BN_WARNING = "warning: SyncBatchNorm runs on GPUs only"
+
+
+def promised_files(strategy):
+    files = {"model_final.pt", "metrics.csv"}
+    if strategy != "final_only":
+        files.add("checkpoint_last.pt")
+    if strategy == "best":
+        files.add("checkpoint_best.pt")
+    if strategy == "every_epoch":
+        files |= {f"checkpoint_epoch{e:03d}.pt" for e in range(1, EPOCHS + 1)}
+    return files
+
+
+def launch(project, answers, args, nproc=2):
+    """Run the project as its README says: run_single.sh, or run_multi.sh once per
+    node (2 nodes x nproc/2 processes on 127.0.0.1). Returns the outputs."""
+    if answers["nodes"] == "single":
+        return [
+            run_job(["./run_single.sh", *args], project, {"NPROC_PER_NODE": str(nproc)})
+        ]
+    node = {"NNODES": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    node["NPROC_PER_NODE"] = str(nproc // 2)
+    return run_jobs(
+        [
+            (["./run_multi.sh", *args], {**node, "NODE_RANK": str(rank)})
+            for rank in (0, 1)
+        ],
+        project,
+    )
+
+
+def check_outputs(project, answers, out_dir, outputs):
+    for code, output in outputs:
+        assert code == 0, output
+    files = {p.name for p in out_dir.iterdir()}
+    assert files == promised_files(answers["save_strategy"])
+
+    rows = list(csv.DictReader((out_dir / "metrics.csv").open()))
+    assert [int(row["epoch"]) for row in rows] == list(range(1, EPOCHS + 1))
+    for row in rows:
+        for key in ("train_loss", "val_loss", "val_acc", "samples_per_s", "epoch_s"):
+            assert math.isfinite(float(row[key])), row
+        assert 0 <= float(row["val_acc"]) <= 1
+
+    # The final weights load safely into the plain model: no "module." prefix.
+    final = torch.load(out_dir / "model_final.pt", weights_only=True)
+    model = load_module(project).build_model()
+    model.load_state_dict(final)
+    assert not any(key.startswith("module.") for key in final)
+
+    checkpoints = sorted(out_dir.glob("checkpoint_*.pt"))
+    for path in checkpoints:
+        checkpoint = torch.load(path, weights_only=True)
+        assert {"model", "optimizer", "scheduler", "epoch", "args"} <= set(checkpoint)
+        assert checkpoint["args"]["epochs"] == EPOCHS
+        if path.name.startswith("checkpoint_epoch"):
+            assert checkpoint["epoch"] == int(path.stem[-3:])
+    if answers["save_strategy"] != "final_only":
+        last = torch.load(out_dir / "checkpoint_last.pt", weights_only=True)
+        assert last["epoch"] == EPOCHS
+        for key, value in final.items():  # the last checkpoint holds the final weights
+            assert torch.equal(value, last["model"][key]), key
+    if answers["save_strategy"] == "best":
+        best = torch.load(out_dir / "checkpoint_best.pt", weights_only=True)
+        losses = [float(row["val_loss"]) for row in rows]
+        assert best["epoch"] == 1 + losses.index(min(losses))
+        assert best["best_val_loss"] == pytest.approx(min(losses), abs=1e-6)
+
+    log = "".join(output for _, output in outputs)
+    assert log.count("saved ") == 1, log  # rank 0 alone prints
+    warned = log.count(SYNC_BN_WARNING)
+    on_gpu = torch.cuda.is_available()
+    assert warned == (1 if answers["sync_bn"] and not on_gpu else 0), log
+
+
+@pytest.mark.parametrize("answers", COMBINATIONS, ids=IDS)
+def test_trains_on_cpu(tmp_path, answers):
+    project = bake(tmp_path, **answers)
+    out_dir = tmp_path / "out"
+    args = [*TINY, "--backend", "gloo", "--output-dir", str(out_dir)]
+    check_outputs(project, answers, out_dir, launch(project, answers, args))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("answers", COMBINATIONS, ids=IDS)
+def test_trains_on_gpu_with_nccl(tmp_path, answers):
+    gpus = torch.cuda.device_count()
+    if answers["nodes"] == "multi" and gpus < 2:
+        pytest.skip("2 nodes x 1 process with NCCL needs 2 GPUs")
+    project = bake(tmp_path, **answers)
+    out_dir = tmp_path / "out"
+    args = [*TINY, "--backend", "nccl", "--output-dir", str(out_dir)]
+    nproc = 2 if answers["nodes"] == "multi" else gpus
+    check_outputs(project, answers, out_dir, launch(project, answers, args, nproc))
