@@ -2,7 +2,10 @@
 and the one-line errors for a bad --resume or --backend."""
 
 import csv
+import os
 import re
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +13,7 @@ import torch
 from conftest import PYTHON, TINY, bake, run_job
 
 ENV = {"NPROC_PER_NODE": "2"}
+PWNED = Path(tempfile.gettempdir()) / "ddp_template_pwned"
 
 
 @pytest.fixture(scope="module")
@@ -89,3 +93,39 @@ def test_nccl_without_a_gpu_is_a_clear_error(spawn_project):
         output,
         re.MULTILINE,
     )
+
+
+class Payload:
+    def __reduce__(self):
+        return (os.system, (f"touch {PWNED}",))
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
+def test_resume_continues_and_refuses_a_malicious_checkpoint(
+    request, launcher, tmp_path
+):
+    # CI's environment has no NumPy: this also proves resuming does not need it.
+    project = request.getfixturevalue(f"{launcher}_project")
+    out = ["--output-dir", str(tmp_path)]
+    first = [*TINY[:1], "1", *TINY[2:]]
+    assert run_job(["./run_single.sh", *first, *out], project, ENV)[0] == 0
+    code, output = run_job(["./run_single.sh", *TINY, *out], project, ENV)
+    assert code == 0, output
+    assert (
+        output.count(f"resumed from {tmp_path / 'checkpoint_last.pt'} after epoch 1")
+        == 1
+    )
+    rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
+    assert [row["epoch"] for row in rows] == ["1", "2"]
+
+    evil = tmp_path / "evil.pt"
+    torch.save({"model": {}, "optimizer": {}, "epoch": 1, "x": Payload()}, evil)
+    code, output = run_job(
+        ["./run_single.sh", *TINY, "--resume", str(evil)], project, ENV
+    )
+    assert code != 0
+    assert (
+        output.count(f"error: cannot resume from {evil}: refused by weights_only=True")
+        == 1
+    )
+    assert not PWNED.exists()

@@ -15,6 +15,7 @@
 
 import argparse
 import csv
+import io
 import os
 import socket
 import sys
@@ -45,8 +46,6 @@ from tqdm import tqdm
 
 NUM_CLASSES = 10
 LOG_EVERY = 20  # steps between progress-bar loss updates (each one waits for the GPU)
-# What torch.load raises for a missing, truncated, corrupt or unsafe checkpoint.
-LOAD_ERRORS = (OSError, EOFError, RuntimeError, TypeError, UnpicklingError, ValueError)
 # Columns of metrics.csv, one row per epoch.
 METRICS = ["epoch", "train_loss", "val_loss", "val_acc", "lr"]
 METRICS += ["samples_per_s", "epoch_s"]
@@ -171,11 +170,11 @@ def setup_distributed(backend):
     if backend == "auto":
         backend = "nccl" if cuda else "gloo"
     if backend == "nccl" and not cuda:
-        fail("error: --backend nccl needs a CUDA GPU; none is visible")
+        raise failure("error: --backend nccl needs a CUDA GPU; none is visible")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if backend == "nccl" and local_world_size > torch.cuda.device_count():
-        fail(
+        raise failure(
             f"error: {local_world_size} processes on this machine, "
             f"{torch.cuda.device_count()} GPUs visible: NCCL needs one GPU per process"
         )
@@ -195,9 +194,9 @@ def setup_distributed(backend):
     return device
 
 
-def fail(message):
-    """Stop this process with exit code 1; rank 0 prints why, so it is said once."""
-    raise SystemExit(message if os.environ.get("RANK", "0") == "0" else 1)
+def failure(message):
+    """The exit for a clear error: code 1, and rank 0 alone prints why, once."""
+    return SystemExit(message if os.environ.get("RANK", "0") == "0" else 1)
 
 
 def print0(*args, **kwargs):
@@ -256,7 +255,7 @@ def preflight(device, backend):
     ones = torch.ones(1, device=device)
     dist.all_reduce(ones)
     if ones.item() != world_size:
-        fail(f"error: all-reduce gave {ones.item()}, not {world_size}")
+        raise failure(f"error: all-reduce gave {ones.item()}, not {world_size}")
     payload = torch.ones(8 * 2**20, device=device)  # 32 MiB of float32
     dist.all_reduce(payload)  # warm-up
     if device.type == "cuda":
@@ -294,28 +293,45 @@ def save_atomic(obj, path):
     os.replace(tmp, path)
 
 
-def load_checkpoint(resume, last_path):
+def load_checkpoint(resume, last_path, device):
     """Return the checkpoint to resume from, or None to start fresh.
 
-    Rank 0 reads it and sends it to the other ranks, so machines need not share a disk.
+    Rank 0 reads the file and sends its bytes to the other ranks, so machines need not
+    share a disk; each rank then loads them with weights_only=True.
     """
-    message = [None, None]  # checkpoint, error
     path = last_path if resume == "auto" else Path(resume)
+    data, error = b"", None
     wanted = resume != "never" and (resume != "auto" or path.exists())
     if dist.get_rank() == 0 and wanted:
         try:
-            # weights_only=True: a checkpoint is data; never run code from a pickle.
-            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-            if not {"model", "optimizer", "epoch"} <= set(checkpoint):
-                raise ValueError("no model, optimizer and epoch: not a checkpoint")
-            message[0] = checkpoint | {"path": str(path)}
-        except LOAD_ERRORS as err:
-            reason = (str(err).strip() or type(err).__name__).splitlines()[0]
-            message[1] = f"error: cannot resume from {path}: {reason}"
-    dist.broadcast_object_list(message, src=0)
-    if message[1] is not None:
-        fail(message[1])
-    return message[0]
+            data = path.read_bytes()
+        except OSError as err:
+            error = f"error: cannot resume from {path}: {err.strerror or err}"
+    size = torch.tensor(-1 if error else len(data), device=device)
+    dist.broadcast(size, src=0)  # -1: rank 0 failed, 0: nothing to resume from
+    if size.item() < 0:
+        raise failure(error)
+    if size.item() == 0:
+        return None
+    buffer = bytearray(data) if data else bytearray(size.item())
+    received = torch.frombuffer(buffer, dtype=torch.uint8).to(device)
+    dist.broadcast(received, src=0)
+    torch.frombuffer(buffer, dtype=torch.uint8).copy_(received)
+    try:
+        # weights_only=True: a checkpoint is data; never run code from a pickle.
+        checkpoint = torch.load(
+            io.BytesIO(buffer), map_location="cpu", weights_only=True
+        )
+        if not {"model", "optimizer", "epoch"} <= set(checkpoint):
+            raise ValueError("no model, optimizer and epoch keys")
+    except UnpicklingError as err:
+        message = f"error: cannot resume from {path}: refused by weights_only=True"
+        raise failure(message) from err
+    except Exception as err:  # torch.load raises many kinds on a corrupt file
+        reason = (str(err).strip() or type(err).__name__).splitlines()[0]
+        message = f"error: cannot resume from {path}: not a checkpoint ({reason})"
+        raise failure(message) from err
+    return checkpoint | {"path": str(path)}
 
 
 def start_metrics(path, done):
@@ -375,7 +391,7 @@ def train(args, device):
 {% if strategy == "best" %}
     best_val_loss = float("inf")
 {% endif %}
-    checkpoint = load_checkpoint(args.resume, out_dir / "checkpoint_last.pt")
+    checkpoint = load_checkpoint(args.resume, out_dir / "checkpoint_last.pt", device)
     if checkpoint is not None:
         model.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
@@ -396,6 +412,9 @@ def train(args, device):
     for epoch in range(start_epoch, args.epochs):
         # DDP change 2: a new shuffle each epoch, the same on every rank. Without this
         # call every epoch repeats the first epoch's order.
+{% if cookiecutter.use_batch_sampler %}
+        # (The BatchSampler draws from this same sampler, so it follows.)
+{% endif %}
         train_sampler.set_epoch(epoch)
         # Per-rank randomness (dropout, augmentation), repeated exactly after a resume.
         torch.manual_seed(args.seed + epoch * world_size + rank)
