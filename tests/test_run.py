@@ -7,7 +7,14 @@ import pytest
 import torch
 
 from combinations import COMBINATIONS, IDS
-from conftest import TINY, bake, free_port, load_module, run_job, run_jobs
+from conftest import (
+    TINY,
+    bake,
+    free_port,
+    load_module,
+    run_job,
+    run_jobs_retrying_teardown_abort,
+)
 
 EPOCHS = 2
 SYNC_BN_WARNING = "warning: SyncBatchNorm runs on GPUs only"
@@ -33,7 +40,7 @@ def launch(project, answers, args, nproc=2):
         ]
     node = {"NNODES": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     node["NPROC_PER_NODE"] = str(nproc // 2)
-    return run_jobs(
+    return run_jobs_retrying_teardown_abort(
         [
             (["./run_multi.sh", *args], {**node, "NODE_RANK": str(rank)})
             for rank in (0, 1)
