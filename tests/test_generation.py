@@ -83,7 +83,7 @@ def test_generated_files(baked, answers):
 def test_only_the_chosen_variant_is_in_the_script(baked):
     for case, answers in zip(IDS, COMBINATIONS, strict=True):
         code = (baked[1][case] / "main_multi_gpu.py").read_text()
-        assert ("mp.spawn(" in code) == (answers["launcher"] == "spawn"), case
+        assert ("mp.start_processes(" in code) == (answers["launcher"] == "spawn"), case
         assert ("BatchSampler(" in code) == answers["use_batch_sampler"], case
         assert ("convert_sync_batchnorm" in code) == answers["sync_bn"], case
         assert ("checkpoint_best" in code) == (answers["save_strategy"] == "best")
@@ -91,8 +91,10 @@ def test_only_the_chosen_variant_is_in_the_script(baked):
             answers["save_strategy"] == "every_epoch"
         )
         resumable = answers["save_strategy"] != "final_only"
-        saves_last = 'save_atomic(checkpoint, out_dir / "checkpoint_last.pt")' in code
-        assert saves_last == resumable, case
+        # Every epoch (indented under "if is_main:"), or only on SIGTERM (final_only).
+        every_epoch = "\n            save_atomic(snapshot(epoch + 1), last_path)\n"
+        on_sigterm = "\n                save_atomic(snapshot(epoch + 1), last_path)\n"
+        assert (every_epoch in code, on_sigterm in code) == (resumable, not resumable)
         assert ("--nnodes" in code) == (
             answers["launcher"] == "spawn" and answers["nodes"] == "multi"
         )

@@ -16,10 +16,14 @@
 import argparse
 import csv
 import io
+import itertools
 import os
+import signal
 import socket
 import sys
+import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 from pickle import UnpicklingError
 
@@ -36,16 +40,25 @@ from torch.utils.data import (
     BatchSampler,
     DataLoader,
     DistributedSampler,
+    Sampler,
     Subset,
     TensorDataset,
 )
 {% else %}
-from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
+from torch.utils.data import (
+    DataLoader,
+    DistributedSampler,
+    Sampler,
+    Subset,
+    TensorDataset,
+)
 {% endif %}
 from tqdm import tqdm
 
 NUM_CLASSES = 10
-LOG_EVERY = 20  # steps between progress-bar loss updates (each one waits for the GPU)
+LOG_EVERY = 20  # steps between progress updates and SIGTERM checks (each waits for GPU)
+PREEMPTED = 143  # exit status after SIGTERM: checkpoint saved, run again to continue
+STOP = threading.Event()  # set by SIGTERM
 # Columns of metrics.csv, one row per epoch.
 METRICS = ["epoch", "train_loss", "val_loss", "val_acc", "lr"]
 METRICS += ["samples_per_s", "epoch_s"]
@@ -72,6 +85,13 @@ def parse_args():
         choices=("auto", "nccl", "gloo"),
         default="auto",
         help="auto: nccl when CUDA is usable, else gloo",
+    )
+    parser.add_argument(
+        "--dist-timeout",
+        type=float,
+        default=os.environ.get("DIST_TIMEOUT", "600"),
+        help="seconds to wait for peers at start-up and in every collective "
+        "(default: $DIST_TIMEOUT, else 600)",
     )
     parser.add_argument(
         "--preflight",
@@ -161,7 +181,7 @@ def count_correct(outputs, targets):
 # --------------------------------------------------------------------------------------
 # Distributed plumbing
 # --------------------------------------------------------------------------------------
-def setup_distributed(backend):
+def setup_distributed(backend, timeout):
     """DDP change 1: join the process group and pick this process's device.
 
     A single-GPU script would only pick a device.
@@ -183,13 +203,31 @@ def setup_distributed(backend):
         torch.cuda.set_device(device)  # before anything else touches CUDA
     else:
         device = torch.device("cpu")
+    timeout = timedelta(seconds=timeout)
+{% if not spawn %}
+    if "RANK" not in os.environ:  # started without a launcher: a group of one
+        store = dist.HashStore()
+        dist.init_process_group(backend, store=store, rank=0, world_size=1)
+        return device
+{% endif %}
+    address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    try:
+        dist.init_process_group(backend, timeout=timeout)  # RANK, WORLD_SIZE, MASTER_*
+    except dist.DistError as err:  # every rank says why: each may be on its own machine
+        if "EADDRINUSE" in str(err):
 {% if spawn %}
-    dist.init_process_group(backend)  # reads RANK, WORLD_SIZE, MASTER_ADDR/PORT
+            sys.exit(f"error: port {address} is in use; choose another --master-port")
 {% else %}
-    if "RANK" in os.environ:
-        dist.init_process_group(backend)  # RANK, WORLD_SIZE, MASTER_ADDR/PORT
-    else:  # started without a launcher (python main_multi_gpu.py): a group of one
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            sys.exit(f"error: port {address} is in use; choose another MASTER_PORT")
+{% endif %}
+        reason = str(err).strip().splitlines()[0]
+{% if multi %}
+        sys.exit(
+            f"error: rendezvous with {address} failed ({reason}); check MASTER_ADDR, "
+            "MASTER_PORT, NNODES, the firewall, and that every node was started"
+        )
+{% else %}
+        sys.exit(f"error: rendezvous with {address} failed ({reason})")
 {% endif %}
     return device
 
@@ -205,6 +243,31 @@ def print0(*args, **kwargs):
         print(*args, **kwargs, flush=True)
 
 
+def stop_requested(device):
+    """True on every rank once any rank has received SIGTERM: one tiny all-reduce."""
+    flag = torch.tensor(float(STOP.is_set()), device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag.item() > 0
+
+
+class ResumableSampler(Sampler):
+    """The shard of a DistributedSampler, from a given position: a run stopped
+    mid-epoch resumes with the next batch, without reading the ones already done."""
+
+    def __init__(self, sampler):
+        self.sampler, self.start = sampler, 0
+
+    def set_epoch(self, epoch, start=0):
+        self.sampler.set_epoch(epoch)
+        self.start = start
+
+    def __iter__(self):
+        return itertools.islice(self.sampler, self.start, None)
+
+    def __len__(self):
+        return len(self.sampler) - self.start
+
+
 def build_loaders(train_set, val_set, args, device):
     rank, world_size = dist.get_rank(), dist.get_world_size()
     common = {
@@ -214,7 +277,8 @@ def build_loaders(train_set, val_set, args, device):
     }
     # DDP change 2: each rank reads a different 1/world_size of the training set
     # (a single-GPU script would pass shuffle=True to the DataLoader instead).
-    train_sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed)
+    shard = DistributedSampler(train_set, shuffle=True, seed=args.seed)
+    train_sampler = ResumableSampler(shard)
 {% if cookiecutter.use_batch_sampler %}
     batch_sampler = BatchSampler(train_sampler, args.batch_size, drop_last=False)
     train_loader = DataLoader(train_set, batch_sampler=batch_sampler, **common)
@@ -391,20 +455,43 @@ def train(args, device):
         optimizer, lambda step: min(1.0, (step + 1) / warmup)
     )
 
-    start_epoch = 0
+    last_path = out_dir / "checkpoint_last.pt"
+
+    def snapshot(epoch, step=0, sums=(0.0, 0.0)):
+        """Everything a resume needs: epochs done (and steps into the next), state."""
+        # DDP change 4: the plain model, model.module, loads without DDP and without
+        # a "module." prefix in its keys.
+        return {
+            "model": model.module.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "epoch": epoch,
+            "step": step,
+            "train_sums": list(sums),  # loss and samples of those steps, all ranks
+{% if strategy == "best" %}
+            "best_val_loss": best_val_loss,
+{% endif %}
+            "args": vars(args),
+        }
+
+    start_epoch, start_step, resumed_sums = 0, 0, [0.0, 0.0]
 {% if strategy == "best" %}
     best_val_loss = float("inf")
 {% endif %}
-    checkpoint = load_checkpoint(args.resume, out_dir / "checkpoint_last.pt", device)
+    checkpoint = load_checkpoint(args.resume, last_path, device)
     if checkpoint is not None:
         model.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
         scheduler.load_state_dict(checkpoint["scheduler"])
-        start_epoch = checkpoint["epoch"]
+        start_epoch, start_step = checkpoint["epoch"], checkpoint["step"]
+        resumed_sums = checkpoint["train_sums"]
 {% if strategy == "best" %}
         best_val_loss = checkpoint["best_val_loss"]
 {% endif %}
-        print0(f"resumed from {checkpoint['path']} after epoch {start_epoch}")
+        where = f"after epoch {start_epoch}"
+        if start_step:
+            where = f"in epoch {start_epoch + 1} after {start_step} steps"
+        print0(f"resumed from {checkpoint['path']} {where}")
     if is_main:
         start_metrics(out_dir / "metrics.csv", start_epoch)
 
@@ -414,25 +501,29 @@ def train(args, device):
     model = DDP(model, device_ids=device_ids, gradient_as_bucket_view=True)
 
     for epoch in range(start_epoch, args.epochs):
+        first_step = start_step if epoch == start_epoch else 0  # > 0 after SIGTERM
         # DDP change 2: a new shuffle each epoch, the same on every rank. Without this
         # call every epoch repeats the first epoch's order.
 {% if cookiecutter.use_batch_sampler %}
         # (The BatchSampler draws from this same sampler, so it follows.)
 {% endif %}
-        train_sampler.set_epoch(epoch)
+        train_sampler.set_epoch(epoch, start=first_step * args.batch_size)
         # Per-rank randomness (dropout, augmentation), repeated exactly after a resume.
         torch.manual_seed(args.seed + epoch * world_size + rank)
         model.train()
         start = time.perf_counter()
-        loss_sum = torch.zeros((), device=device)
-        samples = 0
+        # This rank's loss sum, kept on the device (no sync per step), and sample count;
+        # rank 0 also carries those of the steps done before a SIGTERM.
+        carried = resumed_sums if is_main and first_step else [0.0, 0.0]
+        loss_sum, samples = torch.tensor(carried[0], device=device), int(carried[1])
+        stopped_at = None
         progress = tqdm(
             train_loader,
             desc=f"epoch {epoch + 1}/{args.epochs}",
             leave=False,
             disable=not (is_main and sys.stderr.isatty()),
         )
-        for step, (images, targets) in enumerate(progress):
+        for step, (images, targets) in enumerate(progress, start=first_step):
             images = images.to(device, non_blocking=True)
             targets = targets.to(device, non_blocking=True)
             loss = compute_loss(model(images), targets)
@@ -440,14 +531,27 @@ def train(args, device):
             loss.backward()  # DDP all-reduces gradients here, overlapped with backward
             optimizer.step()
             scheduler.step()
-            loss_sum += loss.detach() * len(targets)  # on the device: no sync per step
+            loss_sum += loss.detach() * len(targets)
             samples += len(targets)
-            if not progress.disable and step % LOG_EVERY == 0:
-                progress.set_postfix(loss=f"{loss.item():.4f}")
+            if (step + 1) % LOG_EVERY == 0:
+                if not progress.disable:
+                    progress.set_postfix(loss=f"{loss.item():.4f}")
+                if stop_requested(device):
+                    stopped_at = step + 1
+                    break
         train_seconds = time.perf_counter() - start
         totals = torch.stack([loss_sum, torch.tensor(float(samples), device=device)])
         dist.all_reduce(totals)
         train_loss, global_samples = totals.tolist()
+        if stopped_at is not None:
+            if is_main:
+                save_atomic(snapshot(epoch, stopped_at, totals.tolist()), last_path)
+                print(
+                    f"preempted: saved {last_path} in epoch {epoch + 1} after "
+                    f"{stopped_at} steps; run again to resume (--resume auto)",
+                    flush=True,
+                )
+            return PREEMPTED
 
         # Evaluate the weights rank 0 saves: parameters match on every rank, but each
         # rank keeps its own BatchNorm running statistics, so take rank 0's. Use
@@ -469,49 +573,59 @@ def train(args, device):
             append_metrics(out_dir / "metrics.csv", row)
             summary = "  ".join(f"{key} {row[key]}" for key in METRICS[1:])
             print(f"epoch {epoch + 1}/{args.epochs}  {summary}", flush=True)
-{% if strategy != "final_only" %}
 {% if strategy == "best" %}
             improved = val_loss < best_val_loss
             best_val_loss = min(best_val_loss, val_loss)
 {% endif %}
-            # DDP change 4: rank 0 alone saves, and saves the plain model, model.module,
-            # so the weights load without DDP and without a "module." prefix.
-            checkpoint = {
-                "model": model.module.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
-                "epoch": epoch + 1,
-{% if strategy == "best" %}
-                "best_val_loss": best_val_loss,
+{% if strategy != "final_only" %}
+            # DDP change 4: rank 0 alone saves.
+            save_atomic(snapshot(epoch + 1), last_path)
 {% endif %}
-                "args": vars(args),
-            }
-            save_atomic(checkpoint, out_dir / "checkpoint_last.pt")
 {% if strategy == "best" %}
             if improved:
-                save_atomic(checkpoint, out_dir / "checkpoint_best.pt")
+                save_atomic(snapshot(epoch + 1), out_dir / "checkpoint_best.pt")
 {% elif strategy == "every_epoch" %}
-            save_atomic(checkpoint, out_dir / f"checkpoint_epoch{epoch + 1:03d}.pt")
+            epoch_path = out_dir / f"checkpoint_epoch{epoch + 1:03d}.pt"
+            save_atomic(snapshot(epoch + 1), epoch_path)
 {% endif %}
+        if epoch + 1 < args.epochs and stop_requested(device):
+            if is_main:
+{% if strategy == "final_only" %}
+                save_atomic(snapshot(epoch + 1), last_path)
 {% endif %}
+                print(
+                    f"preempted: saved {last_path} after epoch {epoch + 1}; "
+                    "run again to resume (--resume auto)",
+                    flush=True,
+                )
+            return PREEMPTED
 
     if is_main:
         # DDP change 4: the plain model's weights, saved once.
         save_atomic(model.module.state_dict(), out_dir / "model_final.pt")
         print(f"saved {out_dir / 'model_final.pt'}", flush=True)
+    return 0
 
 
 def run(args):
-    """One process's life: join the group, train (or check), always leave the group."""
-    device = setup_distributed(args.backend)
+    """One process's life: join the group, train (or check), always leave the group.
+
+    Returns the exit status: 0, or PREEMPTED after a SIGTERM.
+    """
+    device = setup_distributed(args.backend, args.dist_timeout)
+    # SIGTERM (how Slurm and Kubernetes preempt, and how torchrun stops workers) no
+    # longer kills at once: training stops at the next check and saves a checkpoint.
+    signal.signal(signal.SIGTERM, lambda signum, frame: STOP.set())
     try:
         if args.preflight:
             preflight(device, dist.get_backend())
+            status = 0
         else:
-            train(args, device)
+            status = train(args, device)
         dist.barrier()  # everyone finishes together, after rank 0's last save
     finally:
         dist.destroy_process_group()
+    return status
 {% if spawn %}
 
 
@@ -542,7 +656,7 @@ def worker(local_rank, args, master_port):
     # Share the CPU cores between processes instead of oversubscribing them.
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.nproc_per_node))
-    run(args)
+    sys.exit(run(args))
 
 
 def main():
@@ -554,13 +668,30 @@ def main():
     master_port = args.master_port or free_port()
     first_rank = 0
 {% endif %}
-    # DDP change 1: start one process per GPU; if one fails, mp.spawn stops the others.
+    # DDP change 1: start one process per GPU; if one fails, the others are stopped.
+    workers = mp.start_processes(
+        worker, args=(args, master_port), nprocs=args.nproc_per_node, join=False
+    )
+
+    def forward_sigterm(signum, frame):
+        for process in workers.processes:
+            if process.is_alive():
+                process.terminate()  # SIGTERM: each worker saves, then exits
+
+    signal.signal(signal.SIGTERM, forward_sigterm)
     try:
-        mp.spawn(worker, args=(args, master_port), nprocs=args.nproc_per_node)
-    except (mp.ProcessRaisedException, mp.ProcessExitedException) as error:
+        while not workers.join():
+            pass
+    except mp.ProcessRaisedException as error:
         print(error, file=sys.stderr)
         rank = first_rank + error.error_index
         sys.exit(f"error: rank {rank} failed; the other workers were stopped")
+    except mp.ProcessExitedException as error:
+        if error.exit_code in (1, PREEMPTED):
+            sys.exit(error.exit_code)  # the worker has said why
+        rank = first_rank + error.error_index
+        cause = error.signal_name or f"exit code {error.exit_code}"
+        sys.exit(f"error: rank {rank} died ({cause}); the other workers were stopped")
 
 
 if __name__ == "__main__":
@@ -569,5 +700,5 @@ if __name__ == "__main__":
 
 
 if __name__ == "__main__":
-    run(parse_args())
+    sys.exit(run(parse_args()))
 {% endif %}

@@ -3,9 +3,13 @@
 #   machine 0:  NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 ./run_multi.sh
 #   machine 1:  NNODES=2 NODE_RANK=1 MASTER_ADDR=10.0.0.1 ./run_multi.sh
 # MASTER_ADDR is machine 0's address, reachable from every machine, and MASTER_PORT
-# (default 29500) must be open on it. Where machines have several network interfaces,
-# name the one that connects them, on every machine, before running:
-#   export NCCL_SOCKET_IFNAME=eth0 GLOO_SOCKET_IFNAME=eth0
+# (default 29500) must be open on it. NPROC_PER_NODE: processes per machine (default:
+# one per GPU). DIST_TIMEOUT: seconds to wait for the other machines (default 600).
+{% if cookiecutter.launcher == "torchrun" %}
+# MAX_RESTARTS: how often torchrun restarts all workers after a failure (default 0).
+{% endif %}
+# Gloo and NCCL are told to use the network interface that reaches MASTER_ADDR; to
+# choose another, set GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME (e.g. eth0) yourself.
 # Any arguments are passed to main_multi_gpu.py (see ./main_multi_gpu.py --help).
 set -euo pipefail
 
@@ -13,16 +17,57 @@ NNODES="${NNODES:-1}"
 NODE_RANK="${NODE_RANK:-0}"
 MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
 MASTER_PORT="${MASTER_PORT:-29500}"
+export DIST_TIMEOUT="${DIST_TIMEOUT:-600}"  # main_multi_gpu.py reads it too
 if [[ -z "${NPROC_PER_NODE:-}" ]]; then
   NPROC_PER_NODE="$(python3 -c 'import torch; print(torch.cuda.device_count() or 2)')"
 fi
 
+# Left alone, gloo binds the address this machine's host name resolves to, often one
+# the other machines cannot reach. Use the interface holding the source address of the
+# route to MASTER_ADDR (on machine 0, the interface that holds MASTER_ADDR itself).
+iface=""
+if command -v ip >/dev/null; then
+  master_ip="$(getent ahosts "${MASTER_ADDR}" | awk '{ print $1; exit }' || true)"
+  src="$(ip route get "${master_ip:-${MASTER_ADDR}}" 2>/dev/null \
+    | sed -n 's/.* src \([^ ]*\).*/\1/p' || true)"
+  if [[ -n "${src}" ]]; then
+    iface="$(ip -o addr show to "${src}" | awk '{ print $2; exit }' || true)"
+  fi
+else
+  echo "network: 'ip' not found; if the job hangs, set GLOO_SOCKET_IFNAME and" \
+    "NCCL_SOCKET_IFNAME to the interface that reaches ${MASTER_ADDR}"
+fi
+network=""
+for var in GLOO_SOCKET_IFNAME NCCL_SOCKET_IFNAME; do
+  if [[ -n "${!var:-}" ]]; then
+    network+=" ${var}=${!var} (yours)"
+  elif [[ -n "${iface}" ]]; then
+    export "${var}=${iface}"
+    network+=" ${var}=${iface} (reaches ${MASTER_ADDR})"
+  fi
+done
+[[ -n "${network}" ]] && echo "network:${network}"
+
+# Machine 0 hosts the rendezvous on MASTER_PORT: stop now if something else holds it
+# (bound as PyTorch's TCPStore binds it, so a port left in TIME_WAIT still counts as free).
+if [[ "${NODE_RANK}" == 0 ]] \
+  && ! python3 -c 'import socket, sys; socket.create_server(("", int(sys.argv[1])))' \
+    "${MASTER_PORT}" 2>/dev/null; then
+  echo "error: MASTER_PORT ${MASTER_PORT} is in use on this machine; choose another," \
+    "e.g. MASTER_PORT=$((MASTER_PORT + 1))" >&2
+  exit 1
+fi
+
 echo "rendezvous: node ${NODE_RANK} of ${NNODES}, ${NPROC_PER_NODE} processes per node," \
-  "master ${MASTER_ADDR}:${MASTER_PORT}"
+  "master ${MASTER_ADDR}:${MASTER_PORT}, timeout ${DIST_TIMEOUT} s"
 {% if cookiecutter.launcher == "torchrun" %}
+# Restarted workers over gloo can fail to reconnect through torchrun's shared
+# rendezvous store (pytorch/pytorch#135712): give each restart its own.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 exec torchrun --nnodes="${NNODES}" --node-rank="${NODE_RANK}" \
   --nproc-per-node="${NPROC_PER_NODE}" \
   --master-addr="${MASTER_ADDR}" --master-port="${MASTER_PORT}" \
+  --rdzv-conf=timeout="${DIST_TIMEOUT}" --max-restarts="${MAX_RESTARTS:-0}" \
   "$(dirname "$0")/main_multi_gpu.py" "$@"
 {% else %}
 exec python3 "$(dirname "$0")/main_multi_gpu.py" --nnodes="${NNODES}" --node-rank="${NODE_RANK}" \
