@@ -111,3 +111,42 @@ def load_module(project):
 
 
 PYTHON = sys.executable
+
+
+def edit(project, old, new):
+    """Edit the generated script at a place that must occur exactly once, as a user
+    editing the marked functions would."""
+    script = project / "main_multi_gpu.py"
+    code = script.read_text()
+    assert code.count(old) == 1, f"{old!r} occurs {code.count(old)} times"
+    script.write_text(code.replace(old, new))
+
+
+def without_batchnorm(project):
+    """The example model with its two BatchNorm layers replaced by nn.Identity."""
+    for channels in (32, 64):
+        edit(project, f"nn.BatchNorm2d({channels}),", "nn.Identity(),")
+
+
+# After every optimizer step: when TEST_ACT_AT is "rank:epoch:step" (0-based), run
+# the action in TEST_ACTION (os.kill(...)); never in a torchrun restart.
+ACT_AFTER_STEP = """            scheduler.step()
+            here = f"{rank}:{epoch}:{step}"
+            if os.environ.get("TEST_ACT_AT") == here and not int(
+                os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            ):
+                exec(os.environ["TEST_ACTION"])
+"""
+
+
+def act_after_step(project):
+    edit(project, "            scheduler.step()\n", ACT_AFTER_STEP)
+
+
+def load_weights(path):
+    return torch.load(path, weights_only=True, map_location="cpu")
+
+
+def max_difference(a, b):
+    assert a.keys() == b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)

@@ -1,0 +1,209 @@
+"""The numbers behind the contract's guarantees: W workers equal one with a W-times
+batch, a resumed run equals an uninterrupted one, and evaluation is exact for any
+world size. CPU and gloo; the SyncBatchNorm case needs a GPU."""
+
+import argparse
+import csv
+
+import pytest
+import torch
+
+from conftest import (
+    bake,
+    edit,
+    load_module,
+    load_weights,
+    max_difference,
+    run_job,
+    without_batchnorm,
+)
+
+SEED = 3
+COMMON = ["--num-workers", "0", "--val-size", "37", "--seed", str(SEED)]
+SAME = ("epoch", "train_loss", "val_loss", "val_acc", "lr")  # samples_per_s varies
+
+
+def train(project, out_dir, nproc, *args):
+    command = ["./run_single.sh", *COMMON, *args, "--output-dir", str(out_dir)]
+    code, output = run_job(command, project, {"NPROC_PER_NODE": str(nproc)})
+    assert code == 0, output
+    return output
+
+
+def metrics(out_dir):
+    with (out_dir / "metrics.csv").open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def initial_weights(project):
+    module = load_module(project)
+    torch.manual_seed(SEED)  # as the script seeds before build_model()
+    return module.build_model().state_dict()
+
+
+# -- 1. Equivalence ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("use_batch_sampler", [True, False])
+@pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
+def test_two_workers_equal_one_worker_with_twice_the_batch(
+    tmp_path, launcher, use_batch_sampler
+):
+    project = bake(
+        tmp_path,
+        launcher=launcher,
+        use_batch_sampler=use_batch_sampler,
+        save_strategy="final_only",
+    )
+    without_batchnorm(project)
+    args = ["--epochs", "2", "--train-size", "64"]
+    train(project, tmp_path / "w2", 2, *args, "--batch-size", "8")
+    train(project, tmp_path / "w1", 1, *args, "--batch-size", "16")
+
+    w2 = load_weights(tmp_path / "w2" / "model_final.pt")
+    w1 = load_weights(tmp_path / "w1" / "model_final.pt")
+    assert max_difference(w2, w1) < 1e-5
+    # Both trained: the weights moved well away from where they started.
+    assert max_difference(w1, initial_weights(project)) > 1e-2
+    for row2, row1 in zip(metrics(tmp_path / "w2"), metrics(tmp_path / "w1")):
+        for key in ("train_loss", "val_loss", "val_acc"):
+            assert float(row2[key]) == pytest.approx(float(row1[key]), abs=2e-6)
+
+
+def test_plain_batchnorm_breaks_the_equivalence(tmp_path):
+    """The control for the test above: with per-rank BatchNorm statistics, 2 x 8 is not
+    1 x 16, and the comparison sees it."""
+    project = bake(tmp_path, save_strategy="final_only")
+    args = ["--epochs", "2", "--train-size", "64"]
+    train(project, tmp_path / "w2", 2, *args, "--batch-size", "8")
+    train(project, tmp_path / "w1", 1, *args, "--batch-size", "16")
+    w2 = load_weights(tmp_path / "w2" / "model_final.pt")
+    w1 = load_weights(tmp_path / "w1" / "model_final.pt")
+    assert max_difference(w2, w1) > 1e-3
+
+
+@pytest.mark.gpu
+def test_sync_batchnorm_two_workers_equal_one_worker_on_gpu(tmp_path):
+    """Real SyncBatchNorm (GPU only). NCCL wants one GPU per rank; with a single GPU,
+    two ranks share it over gloo, which takes CUDA tensors."""
+    backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
+    project = bake(tmp_path, sync_bn=True, save_strategy="final_only")
+    args = ["--epochs", "2", "--train-size", "64", "--backend", backend]
+    output = train(project, tmp_path / "w2", 2, *args, "--batch-size", "8")
+    assert "SyncBatchNorm runs on GPUs only" not in output
+    train(project, tmp_path / "w1", 1, *args, "--batch-size", "16")
+    w2 = load_weights(tmp_path / "w2" / "model_final.pt")
+    w1 = load_weights(tmp_path / "w1" / "model_final.pt")
+    # Running statistics included: they are in the state_dict.
+    assert max_difference(w2, w1) < 1e-4
+    assert max_difference(w1, initial_weights(project)) > 1e-2
+
+
+# -- 2. Resume ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("launcher", "strategy"),
+    [
+        ("torchrun", "last"),
+        ("torchrun", "best"),
+        ("torchrun", "every_epoch"),
+        ("spawn", "last"),
+    ],
+)
+def test_resume_equals_no_interruption(tmp_path, launcher, strategy):
+    project = bake(tmp_path, launcher=launcher, save_strategy=strategy)
+    args = ["--train-size", "64", "--batch-size", "8"]
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    train(project, full, 2, *args, "--epochs", "3")
+    train(project, cut, 2, *args, "--epochs", "1")
+    output = train(project, cut, 2, *args, "--epochs", "3")  # --resume auto: default
+    assert f"resumed from {cut / 'checkpoint_last.pt'} after epoch 1" in output
+
+    assert (
+        max_difference(
+            load_weights(full / "model_final.pt"), load_weights(cut / "model_final.pt")
+        )
+        < 1e-6
+    )
+    # The whole training state matches, not only the weights.
+    a = load_weights(full / "checkpoint_last.pt")
+    b = load_weights(cut / "checkpoint_last.pt")
+    assert a["epoch"] == b["epoch"] == 3
+    assert a["scheduler"] == b["scheduler"]
+    assert a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
+    momentum = {k: v["momentum_buffer"] for k, v in a["optimizer"]["state"].items()}
+    resumed = {k: v["momentum_buffer"] for k, v in b["optimizer"]["state"].items()}
+    assert momentum.keys() == resumed.keys() and momentum
+    assert max_difference(momentum, resumed) < 1e-6
+    if strategy == "best":
+        assert a["best_val_loss"] == b["best_val_loss"]
+        best_a = load_weights(full / "checkpoint_best.pt")["epoch"]
+        assert best_a == load_weights(cut / "checkpoint_best.pt")["epoch"]
+    # metrics.csv continues: the same rows, none twice.
+    assert [[r[k] for k in SAME] for r in metrics(full)] == [
+        [r[k] for k in SAME] for r in metrics(cut)
+    ]
+
+
+def test_resume_with_a_restarted_data_order_differs(tmp_path):
+    """The control for the test above: a resume that restarts the shuffle at epoch 0
+    (a script calling set_epoch with its own loop counter) ends elsewhere."""
+    project = bake(tmp_path, save_strategy="last")
+    args = ["--train-size", "64", "--batch-size", "8"]
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    train(project, full, 2, *args, "--epochs", "3")
+    train(project, cut, 2, *args, "--epochs", "1")
+    edit(
+        project,
+        "train_sampler.set_epoch(epoch,",
+        "train_sampler.set_epoch(epoch - start_epoch,",
+    )
+    train(project, cut, 2, *args, "--epochs", "3")
+    assert (
+        max_difference(
+            load_weights(full / "model_final.pt"), load_weights(cut / "model_final.pt")
+        )
+        > 1e-4
+    )
+
+
+# -- 3. Exact evaluation -----------------------------------------------------------------
+
+
+def test_evaluation_is_exact_for_world_sizes_1_2_3(tmp_path):
+    """37 validation samples (divisible by neither 2 nor 3). Without BatchNorm, W
+    workers with batch 24/W train the same weights, so the scores must agree, and
+    agree with a plain evaluation of model_final.pt over the whole set."""
+    project = bake(tmp_path, save_strategy="final_only")
+    without_batchnorm(project)
+    rows = {}
+    for world in (1, 2, 3):
+        out_dir = tmp_path / f"w{world}"
+        args = ["--epochs", "1", "--train-size", "48", "--batch-size", str(24 // world)]
+        train(project, out_dir, world, *args)
+        (rows[world],) = metrics(out_dir)
+
+    for world in (2, 3):
+        val_loss, val_acc = (
+            float(rows[world]["val_loss"]),
+            float(rows[world]["val_acc"]),
+        )
+        assert val_loss == pytest.approx(float(rows[1]["val_loss"]), abs=1e-6)
+        assert val_acc == pytest.approx(float(rows[1]["val_acc"]), abs=1e-6)
+
+    # Ground truth: one process, the whole validation set, no DDP.
+    module = load_module(project)
+    data_args = argparse.Namespace(seed=SEED, train_size=48, val_size=37)
+    _, val_set = module.build_datasets(data_args)
+    model = module.build_model()
+    model.load_state_dict(load_weights(tmp_path / "w3" / "model_final.pt"))
+    model.eval()
+    images, targets = val_set.tensors
+    with torch.no_grad():
+        outputs = model(images)
+    true_loss = module.compute_loss(outputs, targets).item()
+    true_acc = module.count_correct(outputs, targets).item() / len(targets)
+    for world in (1, 2, 3):
+        assert float(rows[world]["val_loss"]) == pytest.approx(true_loss, abs=1e-6)
+        assert float(rows[world]["val_acc"]) == pytest.approx(true_acc, abs=1e-6)
