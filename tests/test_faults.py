@@ -1,0 +1,258 @@
+"""Failures: a dead worker stops the job (or torchrun restarts it), a kill while saving
+keeps the previous checkpoint, SIGTERM saves and resumes exactly, a missing peer or a
+busy port is one clear line. Every job runs in its own process group; each test also
+checks that nothing of the job is left running once the launcher has exited."""
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import (
+    act_after_step,
+    bake,
+    edit,
+    free_port,
+    load_weights,
+    max_difference,
+    run_job,
+)
+
+ARGS = ["--epochs", "3", "--batch-size", "8", "--num-workers", "0", "--val-size", "37"]
+SHORT = [*ARGS, "--train-size", "64"]  # 4 steps per epoch and rank
+LONG = [*ARGS, "--train-size", "512"]  # 32 steps: a SIGTERM check at step 20
+KILL = "os.kill(os.getpid(), signal.SIGKILL)"
+
+
+def live_members(group):
+    """Processes of a process group that are still running (zombies excluded)."""
+    alive = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == group and fields[0] != "Z":
+                alive.append(int(stat.parent.name))
+    return alive
+
+
+def watch(command, project, env, timeout=90):
+    """Run a job in its own process group. Returns (exit code, output, seconds until
+    the launcher exited, processes of the job still alive 5 s after that)."""
+    with tempfile.TemporaryFile("w+") as log:
+        start = time.monotonic()
+        proc = subprocess.Popen(
+            command,
+            cwd=project,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            code = proc.wait(timeout=timeout)
+            seconds = time.monotonic() - start
+            deadline = time.monotonic() + 5
+            while live_members(proc.pid) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            left = live_members(proc.pid)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.seek(0)
+        return code, log.read(), seconds, left
+
+
+def single(out_dir, args, **env):
+    command = ["./run_single.sh", *args, "--output-dir", str(out_dir)]
+    return command, {"NPROC_PER_NODE": "2", **env}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Final weights of uninterrupted runs, by arguments (the same for both
+    launchers and every save strategy)."""
+    root = tmp_path_factory.mktemp("reference")
+    project = bake(root, save_strategy="final_only")
+    cache = {}
+
+    def weights(args):
+        key = tuple(args)
+        if key not in cache:
+            out_dir = root / f"run{len(cache)}"
+            command, env = single(out_dir, args)
+            code, output = run_job(command, project, env)
+            assert code == 0, output
+            cache[key] = load_weights(out_dir / "model_final.pt")
+        return cache[key]
+
+    return weights
+
+
+# -- (a) a dead worker stops the whole job ---------------------------------------------
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
+def test_a_killed_worker_stops_the_job_and_is_named(tmp_path, launcher):
+    project = bake(tmp_path, launcher=launcher)
+    act_after_step(project)
+    out_dir = tmp_path / "out"
+    command, env = single(out_dir, SHORT, TEST_ACT_AT="1:1:2", TEST_ACTION=KILL)
+    code, output, seconds, left = watch(command, project, env)
+    assert code != 0, output
+    assert seconds < 60, output
+    assert left == [], output
+    if launcher == "torchrun":
+        root_cause = output.partition("Root Cause (first observed failure)")[2]
+        assert re.search(r"rank\s+: 1 \(local_rank: 1\)", root_cause), output
+        assert re.search(r"exitcode\s+: -9 .*SIGKILL", root_cause), output
+    else:
+        assert "error: rank 1 died (SIGKILL); the other workers were stopped" in output
+    assert load_weights(out_dir / "checkpoint_last.pt")["epoch"] == 1
+
+
+# -- (b) torchrun --max-restarts survives it ---------------------------------------------
+
+
+def test_torchrun_restarts_from_the_checkpoint_and_ends_the_same(tmp_path, reference):
+    project = bake(tmp_path, launcher="torchrun", save_strategy="last")
+    act_after_step(project)
+    out_dir = tmp_path / "out"
+    env = {"TEST_ACT_AT": "1:1:2", "TEST_ACTION": KILL, "MAX_RESTARTS": "1"}
+    command, env = single(out_dir, SHORT, **env)
+    code, output, _, left = watch(command, project, env)
+    assert code == 0, output
+    assert left == [], output
+    assert output.count(f"resumed from {out_dir / 'checkpoint_last.pt'}") == 1
+    assert "after epoch 1" in output
+    final = load_weights(out_dir / "model_final.pt")
+    assert max_difference(final, reference(SHORT)) < 1e-5
+
+
+# -- (c) a kill while saving leaves the previous checkpoint ------------------------------
+
+
+def test_a_kill_while_saving_keeps_the_previous_checkpoint(tmp_path, reference):
+    project = bake(tmp_path, save_strategy="last")
+    # Write half of the second epoch's checkpoint_last.pt, then die.
+    edit(
+        project,
+        '    with tmp.open("wb") as f:\n',
+        '    with tmp.open("wb") as f:\n'
+        '        if path.name == "checkpoint_last.pt" and obj["epoch"] == 2:\n'
+        "            data = io.BytesIO()\n"
+        "            torch.save(obj, data)\n"
+        "            f.write(data.getvalue()[: data.tell() // 2])\n"
+        "            f.flush()\n"
+        "            os.kill(os.getpid(), signal.SIGKILL)\n",
+    )
+    out_dir = tmp_path / "out"
+    command, env = single(out_dir, SHORT)
+    code, output, seconds, left = watch(command, project, env)
+    assert code != 0 and seconds < 60 and left == [], output
+    partial = out_dir / "checkpoint_last.pt.tmp"
+    assert partial.exists()
+    with pytest.raises(RuntimeError):  # a truncated zip archive
+        load_weights(partial)
+    assert load_weights(out_dir / "checkpoint_last.pt")["epoch"] == 1
+
+    edit(project, 'obj["epoch"] == 2', "False")
+    command, env = single(out_dir, SHORT)
+    code, output = run_job(command, project, env)
+    assert code == 0, output
+    assert "after epoch 1" in output
+    final = load_weights(out_dir / "model_final.pt")
+    assert max_difference(final, reference(SHORT)) < 1e-5
+
+
+# -- (d) SIGTERM: checkpoint, clean exit, exact resume ----------------------------------
+
+
+@pytest.mark.parametrize(
+    ("launcher", "strategy", "target"),
+    [
+        ("torchrun", "last", "job"),
+        ("spawn", "final_only", "job"),
+        ("torchrun", "every_epoch", "launcher"),
+        ("spawn", "best", "launcher"),
+    ],
+)
+def test_sigterm_saves_then_resume_ends_the_same(
+    tmp_path, reference, launcher, strategy, target
+):
+    """SIGTERM to every process of the job (Slurm, Kubernetes) or to the launcher
+    alone (kill PID): workers stop at the next check, rank 0 saves, all exit."""
+    project = bake(tmp_path, launcher=launcher, save_strategy=strategy)
+    act_after_step(project)
+    action = {
+        "job": "os.killpg(os.getpgrp(), signal.SIGTERM)",
+        "launcher": "os.kill(os.getppid(), signal.SIGTERM)",
+    }[target]
+    out_dir = tmp_path / "out"
+    command, env = single(out_dir, LONG, TEST_ACT_AT="0:1:5", TEST_ACTION=action)
+    code, output, seconds, left = watch(command, project, env)
+    # The spawn parent exits 143 like its workers; torchrun reports its own SIGTERM.
+    assert code == (143 if launcher == "spawn" else 1), output
+    assert seconds < 60 and left == [], output
+    last = out_dir / "checkpoint_last.pt"
+    line = f"preempted: saved {last} in epoch 2 after 20 steps"
+    assert output.count(line) == 1, output
+    checkpoint = load_weights(last)
+    assert (checkpoint["epoch"], checkpoint["step"]) == (1, 20)
+
+    command, env = single(out_dir, LONG)
+    code, output = run_job(command, project, env)
+    assert code == 0, output
+    assert f"resumed from {last} in epoch 2 after 20 steps" in output
+    final = load_weights(out_dir / "model_final.pt")
+    assert max_difference(final, reference(LONG)) < 1e-5
+    with (out_dir / "metrics.csv").open() as f:
+        assert [line.split(",")[0] for line in f][1:] == ["1", "2", "3"]
+
+
+# -- (e) a peer that never arrives -------------------------------------------------------
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
+def test_a_missing_node_fails_within_dist_timeout(tmp_path, launcher):
+    project = bake(tmp_path, launcher=launcher, nodes="multi")
+    port = free_port()
+    env = {"NNODES": "2", "NODE_RANK": "0", "NPROC_PER_NODE": "1"}
+    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "DIST_TIMEOUT": "5"}
+    command = ["./run_multi.sh", *SHORT, "--output-dir", str(tmp_path / "out")]
+    code, output, seconds, left = watch(command, project, env)
+    assert code != 0, output
+    assert seconds < 45, output
+    assert left == [], output
+    assert "1/2 clients joined" in output
+    if launcher == "spawn":
+        assert f"error: rendezvous with 127.0.0.1:{port} failed (Timed out" in output
+
+
+# -- (f) a busy port ---------------------------------------------------------------------
+
+
+def test_a_busy_master_port_is_one_clear_line(tmp_path):
+    project = bake(tmp_path, launcher="spawn")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        args = [*SHORT, "--master-port", str(port)]
+        command, env = single(tmp_path / "out", args)
+        code, output, seconds, left = watch(command, project, env)
+    assert code == 1, output
+    assert seconds < 30 and left == [], output
+    errors = [line for line in output.splitlines() if "error" in line.lower()]
+    assert errors == [
+        f"error: port 127.0.0.1:{port} is in use; choose another --master-port"
+    ]
+    assert "Traceback" not in output
