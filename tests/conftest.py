@@ -130,17 +130,17 @@ def without_batchnorm(project):
 
 # After every optimizer step: when TEST_ACT_AT is "rank:epoch:step" (0-based), run
 # the action in TEST_ACTION (os.kill(...)); never in a torchrun restart.
-ACT_AFTER_STEP = """            scheduler.step()
-            here = f"{rank}:{epoch}:{step}"
-            if os.environ.get("TEST_ACT_AT") == here and not int(
-                os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-            ):
-                exec(os.environ["TEST_ACTION"])
+ACT_AFTER_STEP = """                scheduler.step()
+                here = f"{rank}:{epoch}:{step}"
+                if os.environ.get("TEST_ACT_AT") == here and not int(
+                    os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+                ):
+                    exec(os.environ["TEST_ACTION"])
 """
 
 
 def act_after_step(project):
-    edit(project, "            scheduler.step()\n", ACT_AFTER_STEP)
+    edit(project, "                scheduler.step()\n", ACT_AFTER_STEP)
 
 
 def load_weights(path):

@@ -21,7 +21,7 @@ SYNC_BN_WARNING = "warning: SyncBatchNorm runs on GPUs only"
 
 
 def promised_files(strategy):
-    files = {"model_final.pt", "metrics.csv"}
+    files = {"model_final.pt", "metrics.csv", "loss.png"}
     if strategy != "final_only":
         files.add("checkpoint_last.pt")
     if strategy == "best":

@@ -14,9 +14,11 @@
 """Train a model with DistributedDataParallel; run with --help for the options."""
 
 import argparse
+import contextlib
 import csv
 import io
 import itertools
+import math
 import os
 import signal
 import socket
@@ -61,7 +63,9 @@ PREEMPTED = 143  # exit status after SIGTERM: checkpoint saved, run again to con
 STOP = threading.Event()  # set by SIGTERM
 # Columns of metrics.csv, one row per epoch.
 METRICS = ["epoch", "train_loss", "val_loss", "val_acc", "lr"]
-METRICS += ["samples_per_s", "epoch_s"]
+METRICS += ["samples_per_s", "epoch_s", "data_s", "compute_s", "optimizer_s"]
+CHANNELS_LAST = True  # NHWC images and weights on GPU: faster convolutions
+AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def parse_args():
@@ -74,6 +78,34 @@ def parse_args():
     parser.add_argument("--train-size", type=int, default=2048)
     parser.add_argument("--val-size", type=int, default=512)
     parser.add_argument("--output-dir", default="outputs")
+    parser.add_argument(
+        "--amp",
+        choices=tuple(AMP_DTYPES),
+        default="none",
+        help="mixed precision: autocast to bfloat16 or float16 (with loss scaling)",
+    )
+    parser.add_argument(
+        "--grad-accum",
+        type=int,
+        default=1,
+        metavar="N",
+        help="micro-batches per optimizer step (global batch: N x batch x world size)",
+    )
+    parser.add_argument(
+        "--compile", action="store_true", help="torch.compile the DDP model"
+    )
+    parser.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        metavar="N",
+        help="write a torch.profiler trace of N steps of rank 0 to OUTPUT_DIR/profile",
+    )
+    parser.add_argument(
+        "--tensorboard",
+        action="store_true",
+        help="also log metrics to OUTPUT_DIR/tensorboard (needs tensorboard)",
+    )
     parser.add_argument(
         "--resume",
         default="auto",
@@ -348,6 +380,21 @@ def preflight(device, backend):
     print0("\n".join(rows))
 
 
+def mark(device):
+    """A point in time. On GPU, an event queued on the stream: no wait for the GPU."""
+    if device.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def seconds(begin, end):
+    if isinstance(begin, float):
+        return end - begin
+    return begin.elapsed_time(end) / 1000  # call after torch.cuda.synchronize()
+
+
 # --------------------------------------------------------------------------------------
 # Checkpoints and metrics (rank 0 writes; every rank reads through rank 0)
 # --------------------------------------------------------------------------------------
@@ -419,6 +466,31 @@ def append_metrics(path, row):
         csv.DictWriter(f, METRICS).writerow(row)
 
 
+def plot_losses(metrics_path, png_path):
+    """Train and validation loss per epoch, when matplotlib is installed."""
+    try:
+        import matplotlib  # optional: imported only here
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"no {png_path.name}: pip install matplotlib to plot the losses")
+        return
+    with metrics_path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    epochs = [int(row["epoch"]) for row in rows]
+    figure, axes = plt.subplots(figsize=(6, 4))
+    for key in ("train_loss", "val_loss"):
+        axes.plot(epochs, [float(row[key]) for row in rows], marker="o", label=key)
+    axes.set_xlabel("epoch")
+    axes.set_ylabel("loss")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(png_path)
+    plt.close(figure)
+    print(f"saved {png_path}", flush=True)
+
+
 # --------------------------------------------------------------------------------------
 # Training
 # --------------------------------------------------------------------------------------
@@ -429,6 +501,12 @@ def train(args, device):
     if is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
 
+    if args.tensorboard:
+        try:
+            from torch.utils.tensorboard import SummaryWriter  # optional dependency
+        except ImportError as err:
+            message = "error: --tensorboard needs TensorBoard: pip install tensorboard"
+            raise failure(message) from err
     torch.manual_seed(args.seed)  # same data and initial weights on every rank
     train_set, val_set = build_datasets(args)
     train_sampler, train_loader, val_loader = build_loaders(
@@ -445,12 +523,21 @@ def train(args, device):
             file=sys.stderr,
         )
 {% endif %}
-    model.to(device)
+    memory_format = torch.preserve_format
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True  # fastest kernels for fixed shapes
+        if CHANNELS_LAST:
+            memory_format = torch.channels_last
+    model.to(device, memory_format=memory_format)
     optimizer = torch.optim.SGD(
         model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4
     )
+    amp_dtype = AMP_DTYPES[args.amp]
+    # float16 needs loss scaling against underflowing gradients; otherwise a no-op.
+    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
+    steps_per_epoch = len(train_loader)  # micro-batches, grad_accum per update
     # Linear warm-up over the first epoch: large global batches (many GPUs) need it.
-    warmup = len(train_loader)
+    warmup = math.ceil(steps_per_epoch / args.grad_accum)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: min(1.0, (step + 1) / warmup)
     )
@@ -459,12 +546,13 @@ def train(args, device):
 
     def snapshot(epoch, step=0, sums=(0.0, 0.0)):
         """Everything a resume needs: epochs done (and steps into the next), state."""
-        # DDP change 4: the plain model, model.module, loads without DDP and without
-        # a "module." prefix in its keys.
+        # DDP change 4: the plain model (ddp_model.module, not the DDP wrapper), so
+        # the weights load without DDP and without a "module." prefix in their keys.
         return {
-            "model": model.module.state_dict(),
+            "model": model.state_dict(),
             "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(),
+            "scaler": scaler.state_dict(),
             "epoch": epoch,
             "step": step,
             "train_sums": list(sums),  # loss and samples of those steps, all ranks
@@ -483,6 +571,7 @@ def train(args, device):
         model.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
         scheduler.load_state_dict(checkpoint["scheduler"])
+        scaler.load_state_dict(checkpoint["scaler"])
         start_epoch, start_step = checkpoint["epoch"], checkpoint["step"]
         resumed_sums = checkpoint["train_sums"]
 {% if strategy == "best" %}
@@ -496,9 +585,30 @@ def train(args, device):
         start_metrics(out_dir / "metrics.csv", start_epoch)
 
     # DDP change 3: wrap the model. Its backward pass averages gradients over all ranks,
-    # so every replica takes the same optimizer step.
+    # so every replica takes the same optimizer step. Train through ddp_model; save
+    # and evaluate the plain model (they share the parameters).
     device_ids = [device.index] if device.type == "cuda" else None
-    model = DDP(model, device_ids=device_ids, gradient_as_bucket_view=True)
+    # torch.compile inside DDP: the compiled graph is split at DDP's gradient buckets,
+    # so the all-reduce still overlaps with the backward pass.
+    ddp_model = DDP(
+        torch.compile(model) if args.compile else model,
+        device_ids=device_ids,
+        gradient_as_bucket_view=True,
+    )
+    profiler = None
+    if is_main and args.profile_steps:
+        profiler = torch.profiler.profile(
+            schedule=torch.profiler.schedule(
+                wait=1, warmup=1, active=args.profile_steps, repeat=1
+            ),
+            on_trace_ready=torch.profiler.tensorboard_trace_handler(
+                str(out_dir / "profile")
+            ),
+        )
+        profiler.start()
+    writer = None
+    if is_main and args.tensorboard:
+        writer = SummaryWriter(out_dir / "tensorboard")
 
     for epoch in range(start_epoch, args.epochs):
         first_step = start_step if epoch == start_epoch else 0  # > 0 after SIGTERM
@@ -510,36 +620,63 @@ def train(args, device):
         train_sampler.set_epoch(epoch, start=first_step * args.batch_size)
         # Per-rank randomness (dropout, augmentation), repeated exactly after a resume.
         torch.manual_seed(args.seed + epoch * world_size + rank)
-        model.train()
+        ddp_model.train()
         start = time.perf_counter()
         # This rank's loss sum, kept on the device (no sync per step), and sample count;
         # rank 0 also carries those of the steps done before a SIGTERM.
         carried = resumed_sums if is_main and first_step else [0.0, 0.0]
         loss_sum, samples = torch.tensor(carried[0], device=device), int(carried[1])
         stopped_at = None
+        data_s, marks = 0.0, []  # data wait; (start, backward done, step done) per step
         progress = tqdm(
             train_loader,
             desc=f"epoch {epoch + 1}/{args.epochs}",
             leave=False,
             disable=not (is_main and sys.stderr.isatty()),
         )
+        tick = time.perf_counter()
         for step, (images, targets) in enumerate(progress, start=first_step):
+            data_s += time.perf_counter() - tick  # waiting for the DataLoader
+            begin = mark(device)
+            if images.dim() == 4:
+                images = images.to(memory_format=memory_format)
             images = images.to(device, non_blocking=True)
             targets = targets.to(device, non_blocking=True)
-            loss = compute_loss(model(images), targets)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()  # DDP all-reduces gradients here, overlapped with backward
-            optimizer.step()
-            scheduler.step()
+            # Gradient accumulation: an optimizer step every grad_accum micro-batches
+            # (and at the end of the epoch), the loss divided by the group's size.
+            group = step // args.grad_accum * args.grad_accum
+            group_size = min(args.grad_accum, steps_per_epoch - group)
+            update = step + 1 == group + group_size
+            # DDP change 3: the gradient all-reduce runs in the backward pass of the
+            # last micro-batch only; no_sync() skips it for the others.
+            with contextlib.nullcontext() if update else ddp_model.no_sync():
+                with torch.autocast(device.type, amp_dtype, enabled=bool(amp_dtype)):
+                    loss = compute_loss(ddp_model(images), targets)
+                scaler.scale(loss / group_size).backward()
+            backward_done = step_done = mark(device)
+            if update:
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+                scheduler.step()
+                step_done = mark(device)
+            marks.append((begin, backward_done, step_done))
+            if profiler:
+                profiler.step()
             loss_sum += loss.detach() * len(targets)
             samples += len(targets)
-            if (step + 1) % LOG_EVERY == 0:
+            if update and (step + 1) // args.grad_accum % LOG_EVERY == 0:
                 if not progress.disable:
                     progress.set_postfix(loss=f"{loss.item():.4f}")
                 if stop_requested(device):
                     stopped_at = step + 1
                     break
+            tick = time.perf_counter()
         train_seconds = time.perf_counter() - start
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # the events above have all happened
+        compute_s = sum(seconds(a, b) for a, b, _ in marks)
+        optimizer_s = sum(seconds(b, c) for _, b, c in marks)
         totals = torch.stack([loss_sum, torch.tensor(float(samples), device=device)])
         dist.all_reduce(totals)
         train_loss, global_samples = totals.tolist()
@@ -554,11 +691,11 @@ def train(args, device):
             return PREEMPTED
 
         # Evaluate the weights rank 0 saves: parameters match on every rank, but each
-        # rank keeps its own BatchNorm running statistics, so take rank 0's. Use
-        # model.module: DDP's forward would wait for ranks with more validation batches.
-        for buffer in model.module.buffers():
+        # rank keeps its own BatchNorm running statistics, so take rank 0's. Use the
+        # plain model: DDP's forward would wait for ranks with more validation batches.
+        for buffer in model.buffers():
             dist.broadcast(buffer, src=0)
-        val_loss, val_acc = evaluate(model.module, val_loader, device)
+        val_loss, val_acc = evaluate(model, val_loader, device)
 
         if is_main:
             row = {
@@ -569,8 +706,14 @@ def train(args, device):
                 "lr": f"{scheduler.get_last_lr()[0]:.6g}",
                 "samples_per_s": f"{global_samples / train_seconds:.1f}",
                 "epoch_s": f"{time.perf_counter() - start:.3f}",
+                "data_s": f"{data_s:.3f}",
+                "compute_s": f"{compute_s:.3f}",
+                "optimizer_s": f"{optimizer_s:.3f}",
             }
             append_metrics(out_dir / "metrics.csv", row)
+            if writer:
+                for key in METRICS[1:]:
+                    writer.add_scalar(key, float(row[key]), epoch + 1)
             summary = "  ".join(f"{key} {row[key]}" for key in METRICS[1:])
             print(f"epoch {epoch + 1}/{args.epochs}  {summary}", flush=True)
 {% if strategy == "best" %}
@@ -602,8 +745,13 @@ def train(args, device):
 
     if is_main:
         # DDP change 4: the plain model's weights, saved once.
-        save_atomic(model.module.state_dict(), out_dir / "model_final.pt")
+        save_atomic(model.state_dict(), out_dir / "model_final.pt")
         print(f"saved {out_dir / 'model_final.pt'}", flush=True)
+        plot_losses(out_dir / "metrics.csv", out_dir / "loss.png")
+    if profiler:
+        profiler.stop()  # writes the trace if the run had fewer steps than asked
+    if writer:
+        writer.close()
     return 0
 
 

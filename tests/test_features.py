@@ -1,0 +1,188 @@
+"""The speed and insight flags: --grad-accum (with no_sync), --amp, --compile, the
+per-epoch time breakdown, --profile-steps, loss.png and --tensorboard, and a run
+without NumPy. Speed itself is measured in bench/, never here."""
+
+import csv
+import json
+import math
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from conftest import (
+    TINY,
+    bake,
+    edit,
+    load_weights,
+    max_difference,
+    run_job,
+    without_batchnorm,
+)
+
+COMMON = ["--num-workers", "0", "--val-size", "37", "--train-size", "64"]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def train(project, out_dir, *args, nproc=2, env=None):
+    command = ["./run_single.sh", *args, "--output-dir", str(out_dir)]
+    code, output = run_job(
+        command, project, {"NPROC_PER_NODE": str(nproc), **(env or {})}
+    )
+    assert code == 0, output
+    return output
+
+
+def metrics(out_dir):
+    with (out_dir / "metrics.csv").open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def without_modules(tmp_path, *names):
+    """An environment in which `import NAME` fails as if NAME were not installed."""
+    shim = tmp_path / "shim"
+    for name in names:
+        (shim / name).mkdir(parents=True)
+        (shim / name / "__init__.py").write_text(
+            f"raise ModuleNotFoundError('no {name} (test)', name={name!r})\n"
+        )
+    return {"PYTHONPATH": str(shim)}
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    return bake(tmp_path_factory.mktemp("features"), save_strategy="last")
+
+
+def test_gradient_accumulation_equals_the_big_batch(tmp_path):
+    """2 workers x 4 samples x 2 micro-batches == 1 x 8 x 2 == 1 x 16 x 1 (no BN)."""
+    project = bake(tmp_path, save_strategy="final_only")
+    without_batchnorm(project)
+    args = [*COMMON, "--epochs", "2"]
+    train(project, tmp_path / "a", *args, "--batch-size", "4", "--grad-accum", "2")
+    train(
+        project,
+        tmp_path / "b",
+        *args,
+        "--batch-size",
+        "8",
+        "--grad-accum",
+        "2",
+        nproc=1,
+    )
+    train(project, tmp_path / "c", *args, "--batch-size", "16", nproc=1)
+    a, b, c = (load_weights(tmp_path / d / "model_final.pt") for d in "abc")
+    assert max_difference(a, b) < 1e-5
+    assert max_difference(a, c) < 1e-5
+    # The control: the same micro-batches without accumulation take twice the
+    # optimizer steps and end elsewhere.
+    train(project, tmp_path / "d", *args, "--batch-size", "4")
+    assert max_difference(a, load_weights(tmp_path / "d" / "model_final.pt")) > 1e-3
+
+
+@pytest.mark.parametrize("amp", ["bf16", "fp16"])
+def test_amp_trains_in_lower_precision_and_fp16_resumes_its_scaler(
+    project, tmp_path, amp
+):
+    args = [*COMMON, "--batch-size", "8", "--amp", amp]
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    train(project, full, *args, "--epochs", "2")
+    train(project, tmp_path / "fp32", *COMMON, "--batch-size", "8", "--epochs", "2")
+    difference = max_difference(
+        load_weights(full / "model_final.pt"),
+        load_weights(tmp_path / "fp32" / "model_final.pt"),
+    )
+    assert 0 < difference < 0.05  # autocast was on, and it still trained the same task
+    for row in metrics(full):
+        assert math.isfinite(float(row["train_loss"]))
+
+    train(project, cut, *args, "--epochs", "1")
+    train(project, cut, *args, "--epochs", "2")
+    assert (
+        max_difference(
+            load_weights(full / "model_final.pt"), load_weights(cut / "model_final.pt")
+        )
+        < 1e-6
+    )
+    scaler = load_weights(cut / "checkpoint_last.pt")["scaler"]
+    assert scaler == load_weights(full / "checkpoint_last.pt")["scaler"]
+    if amp == "fp16":
+        assert scaler["scale"] > 0  # GradScaler state, saved and restored
+    else:
+        assert scaler == {}  # no scaler needed for bfloat16
+
+
+def test_compile_builds_graphs_and_matches_eager(tmp_path):
+    project = bake(tmp_path, save_strategy="final_only")
+    edit(
+        project,
+        '        plot_losses(out_dir / "metrics.csv", out_dir / "loss.png")\n',
+        '        plot_losses(out_dir / "metrics.csv", out_dir / "loss.png")\n'
+        "        from torch._dynamo.utils import counters\n"
+        '        print("graphs:", counters["stats"]["unique_graphs"])\n',
+    )
+    args = [*COMMON, "--batch-size", "8", "--epochs", "2", "--grad-accum", "2"]
+    output = train(project, tmp_path / "compiled", *args, "--compile")
+    assert "graphs: 0" not in output and "graphs: " in output
+    eager = train(project, tmp_path / "eager", *args)
+    assert "graphs: 0" in eager
+    compiled = load_weights(tmp_path / "compiled" / "model_final.pt")
+    assert not any(key.startswith("_orig_mod") for key in compiled)
+    assert (
+        max_difference(compiled, load_weights(tmp_path / "eager" / "model_final.pt"))
+        < 1e-5
+    )
+
+
+def test_time_breakdown_profile_plot_and_tensorboard(project, tmp_path):
+    out_dir = tmp_path / "out"
+    args = [*TINY, "--profile-steps", "3", "--tensorboard"]
+    output = train(project, out_dir, *args)
+
+    for row in metrics(out_dir):
+        parts = [float(row[key]) for key in ("data_s", "compute_s", "optimizer_s")]
+        assert min(parts) >= 0 and parts[1] > 0 and parts[2] > 0
+        assert sum(parts) <= float(row["epoch_s"])
+
+    (trace,) = (out_dir / "profile").glob("*.pt.trace.json")  # rank 0 only
+    events = json.loads(trace.read_text())["traceEvents"]
+    steps = {e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")}
+    assert len(steps) == 3
+
+    assert (out_dir / "loss.png").read_bytes().startswith(PNG_MAGIC)
+    assert output.count(f"saved {out_dir / 'loss.png'}") == 1
+
+    events = EventAccumulator(str(out_dir / "tensorboard"))
+    events.Reload()
+    val_loss = [event.value for event in events.Scalars("val_loss")]
+    expected = [float(row["val_loss"]) for row in metrics(out_dir)]
+    assert val_loss == pytest.approx(expected, abs=1e-6)
+
+
+def test_without_numpy_matplotlib_or_tensorboard(project, tmp_path):
+    """torch does not need NumPy, and neither does the script; the optional plot and
+    TensorBoard say how to get them."""
+    env = without_modules(tmp_path, "numpy", "matplotlib", "tensorboard")
+    out_dir = tmp_path / "out"
+    output = train(project, out_dir, *TINY, env=env)
+    assert output.count("no loss.png: pip install matplotlib to plot the losses") == 1
+    assert not (out_dir / "loss.png").exists()
+    assert [row["epoch"] for row in metrics(out_dir)] == ["1", "2"]
+
+    command = ["./run_single.sh", *TINY, "--output-dir", str(tmp_path / "tb")]
+    code, output = run_job([*command, "--tensorboard"], project, env)
+    assert code == 1
+    lines = [line for line in output.splitlines() if line.startswith("error:")]
+    assert lines == ["error: --tensorboard needs TensorBoard: pip install tensorboard"]
+
+
+@pytest.mark.gpu
+def test_gpu_fast_path_trains(project, tmp_path):
+    """bf16 autocast, channels_last, cudnn.benchmark, compile and accumulation on a GPU
+    (2 ranks share the GPU over gloo when there is only one)."""
+    backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
+    args = [*TINY, "--amp", "bf16", "--compile", "--grad-accum", "2"]
+    train(project, tmp_path / "out", *args, "--backend", backend)
+    for row in metrics(tmp_path / "out"):
+        assert math.isfinite(float(row["val_loss"]))
+        assert float(row["compute_s"]) > 0
