@@ -26,16 +26,22 @@ fi
 # the other machines cannot reach. Use the interface holding the source address of the
 # route to MASTER_ADDR (on machine 0, the interface that holds MASTER_ADDR itself).
 iface=""
-if command -v ip >/dev/null; then
+if ! command -v ip >/dev/null; then
+  echo "network: 'ip' not found; if the job hangs, set GLOO_SOCKET_IFNAME and" \
+    "NCCL_SOCKET_IFNAME to the interface that reaches ${MASTER_ADDR}"
+else
   master_ip="$(getent ahosts "${MASTER_ADDR}" | awk '{ print $1; exit }' || true)"
   src="$(ip route get "${master_ip:-${MASTER_ADDR}}" 2>/dev/null \
     | sed -n 's/.* src \([^ ]*\).*/\1/p' || true)"
   if [[ -n "${src}" ]]; then
     iface="$(ip -o addr show to "${src}" | awk '{ print $2; exit }' || true)"
   fi
-else
-  echo "network: 'ip' not found; if the job hangs, set GLOO_SOCKET_IFNAME and" \
-    "NCCL_SOCKET_IFNAME to the interface that reaches ${MASTER_ADDR}"
+  if [[ -z "${iface}" ]]; then
+    echo "network: warning: no route from this machine to ${MASTER_ADDR}"
+  elif [[ "${iface}" == lo && "${NNODES}" != 1 ]]; then
+    echo "network: warning: ${MASTER_ADDR} is this machine's loopback address, which" \
+      "other machines cannot reach; use machine 0's address on their network"
+  fi
 fi
 network=""
 for var in GLOO_SOCKET_IFNAME NCCL_SOCKET_IFNAME; do
@@ -46,10 +52,12 @@ for var in GLOO_SOCKET_IFNAME NCCL_SOCKET_IFNAME; do
     network+=" ${var}=${iface} (reaches ${MASTER_ADDR})"
   fi
 done
-[[ -n "${network}" ]] && echo "network:${network}"
+if [[ -n "${network}" ]]; then
+  echo "network:${network}"
+fi
 
-# Machine 0 hosts the rendezvous on MASTER_PORT: stop now if something else holds it
-# (bound as PyTorch's TCPStore binds it, so a port left in TIME_WAIT still counts as free).
+# Machine 0 hosts the rendezvous on MASTER_PORT: stop now if something else holds it.
+# Bound as TCPStore binds it (SO_REUSEADDR): a port left in TIME_WAIT counts as free.
 if [[ "${NODE_RANK}" == 0 ]] \
   && ! python3 -c 'import socket, sys; socket.create_server(("", int(sys.argv[1])))' \
     "${MASTER_PORT}" 2>/dev/null; then
@@ -61,9 +69,6 @@ fi
 echo "rendezvous: node ${NODE_RANK} of ${NNODES}, ${NPROC_PER_NODE} processes per node," \
   "master ${MASTER_ADDR}:${MASTER_PORT}, timeout ${DIST_TIMEOUT} s"
 {% if cookiecutter.launcher == "torchrun" %}
-# Restarted workers over gloo can fail to reconnect through torchrun's shared
-# rendezvous store (pytorch/pytorch#135712): give each restart its own.
-export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 exec torchrun --nnodes="${NNODES}" --node-rank="${NODE_RANK}" \
   --nproc-per-node="${NPROC_PER_NODE}" \
   --master-addr="${MASTER_ADDR}" --master-port="${MASTER_PORT}" \
