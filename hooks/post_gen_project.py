@@ -6,7 +6,10 @@ import sys
 from pathlib import Path
 
 ANSWERS = json.loads({{ cookiecutter | tojson | tojson }})
-UNUSED = {"run_multi.sh": ANSWERS["nodes"] != "multi"}
+UNUSED = {
+    "run_multi.sh": ANSWERS["nodes"] != "multi",
+    "run_slurm.sbatch": ANSWERS["scheduler"] != "slurm",
+}
 
 
 def main():
@@ -14,7 +17,7 @@ def main():
     for name, unused in UNUSED.items():
         if unused:
             (project / name).unlink()
-    for script in project.glob("*.sh"):
+    for script in [*project.glob("*.sh"), *project.glob("*.sbatch")]:
         mode = script.stat().st_mode
         script.chmod(mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
     return 0

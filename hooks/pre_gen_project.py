@@ -14,6 +14,7 @@ CHOICES = {
     "nodes": ("single", "multi"),
     "launcher": ("torchrun", "spawn"),
     "save_strategy": ("last", "best", "every_epoch", "final_only"),
+    "scheduler": ("none", "slurm"),
 }
 BOOLEANS = ("use_batch_sampler", "sync_bn")
 

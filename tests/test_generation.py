@@ -23,6 +23,8 @@ def expected_files(answers):
     files = set(COMMON_FILES)
     if answers["nodes"] == "multi":
         files.add("run_multi.sh")
+    if answers["scheduler"] == "slurm":
+        files.add("run_slurm.sbatch")
     return files
 
 
@@ -33,6 +35,7 @@ def test_combinations_cover_the_contract():
         "use_batch_sampler": [True, False],
         "sync_bn": [False, True],
         "save_strategy": ["last", "best", "every_epoch", "final_only"],
+        "scheduler": ["none", "slurm"],
     }
     assert len(COMBINATIONS) == 2 * 2 * 2 * 2 * 4
     assert len(set(IDS)) == len(IDS)
@@ -75,7 +78,7 @@ def test_generated_files(baked, answers):
         assert "\n\n\n\n" not in text, f"blank-line debris in {path.name}"
         assert not re.search(r"[ \t]+$", text, re.MULTILINE), path.name
     py_compile.compile(str(project / "main_multi_gpu.py"), doraise=True)
-    for script in project.glob("*.sh"):
+    for script in [*project.glob("*.sh"), *project.glob("*.sbatch")]:
         assert script.stat().st_mode & 0o111 == 0o111, script.name
         assert script.read_text().startswith("#!/usr/bin/env bash\n")
 
@@ -100,6 +103,11 @@ def test_only_the_chosen_variant_is_in_the_script(baked):
         )
         for change in (1, 2, 3, 4):
             assert f"DDP change {change}" in code, (case, change)
+        sbatch = baked[1][case] / "run_slurm.sbatch"
+        if sbatch.exists():
+            text = sbatch.read_text()
+            assert ("torchrun" in text) == (answers["launcher"] == "torchrun"), case
+            assert ("--node-rank" in text) == (answers["nodes"] == "multi"), case
 
 
 def test_ruff_check_and_format(baked):
@@ -127,7 +135,10 @@ def test_ruff_check_and_format(baked):
 
 def test_shellcheck(baked):
     scripts = sorted(str(p) for p in baked[0].glob("*/*.sh"))
-    assert len(scripts) == sum(1 + (a["nodes"] == "multi") for a in COMBINATIONS)
+    scripts += sorted(str(p) for p in baked[0].glob("*/*.sbatch"))
+    assert len(scripts) == sum(
+        1 + (a["nodes"] == "multi") + (a["scheduler"] == "slurm") for a in COMBINATIONS
+    )
     result = subprocess.run(["shellcheck", *scripts], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -135,4 +146,4 @@ def test_shellcheck(baked):
 def test_template_has_no_repo_only_files():
     (folder,) = TEMPLATE.glob("{{*cookiecutter.project_slug*}}")
     names = {p.name for p in folder.iterdir()}
-    assert names == COMMON_FILES | {"run_multi.sh"}
+    assert names == COMMON_FILES | {"run_multi.sh", "run_slurm.sbatch"}
