@@ -60,6 +60,8 @@ def check_outputs(project, answers, out_dir, outputs):
     for row in rows:
         for key in ("train_loss", "val_loss", "val_acc", "samples_per_s", "epoch_s"):
             assert math.isfinite(float(row[key])), row
+        for key in ("data_s", "compute_s", "optimizer_s"):
+            assert 0 <= float(row[key]) <= float(row["epoch_s"]), row
         assert 0 <= float(row["val_acc"]) <= 1
 
     # The final weights load safely into the plain model: no "module." prefix.
@@ -87,7 +89,9 @@ def check_outputs(project, answers, out_dir, outputs):
         assert best["best_val_loss"] == pytest.approx(min(losses), abs=1e-6)
 
     log = "".join(output for _, output in outputs)
-    assert log.count("saved ") == 1, log  # rank 0 alone prints
+    # Rank 0 alone prints: one line for the weights, one for the plot.
+    assert log.count("saved ") == 2, log
+    assert log.count(f"saved {out_dir / 'model_final.pt'}") == 1, log
     warned = log.count(SYNC_BN_WARNING)
     on_gpu = torch.cuda.is_available()
     assert warned == (1 if answers["sync_bn"] and not on_gpu else 0), log
