@@ -86,13 +86,10 @@ def test_missing_or_corrupt_resume_is_one_clear_line(request, launcher, tmp_path
 def test_nccl_without_a_gpu_is_a_clear_error(spawn_project):
     command = ["./run_single.sh", *TINY, "--backend", "nccl"]
     code, output = run_job(command, spawn_project, ENV)
-    assert code != 0
-    assert output.count("error: --backend nccl needs a CUDA GPU; none is visible") == 1
-    assert re.search(
-        r"^error: rank [01] failed; the other workers were stopped$",
-        output,
-        re.MULTILINE,
-    )
+    assert code == 1, output
+    # One line: rank 0 says why; the other ranks and the spawn parent stay quiet.
+    errors = [line for line in output.splitlines() if "error" in line.lower()]
+    assert errors == ["error: --backend nccl needs a CUDA GPU; none is visible"]
 
 
 class Payload:
@@ -104,7 +101,6 @@ class Payload:
 def test_resume_continues_and_refuses_a_malicious_checkpoint(
     request, launcher, tmp_path
 ):
-    # CI's environment has no NumPy: this also proves resuming does not need it.
     project = request.getfixturevalue(f"{launcher}_project")
     out = ["--output-dir", str(tmp_path)]
     first = [*TINY[:1], "1", *TINY[2:]]
