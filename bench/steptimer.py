@@ -1,0 +1,120 @@
+"""The one measurement every contender shares: a global optimizer-step post-hook.
+
+Each contender calls install() once, before training. torch then calls the hook after
+every optimizer.step() of any optimizer in the process; the training loops themselves
+are not touched. Accelerate's and Fabric's optimizer wrappers end in the wrapped SGD's
+step(), so the hook fires at the same point of the step for all four contenders.
+
+Configuration comes from the environment, set by run.py for every contender alike:
+  BENCH_RESULT     where rank 0 writes its JSON
+  BENCH_STEPS      optimizer steps in the run
+  BENCH_WARMUP     steps left out of the steady-state rate
+  BENCH_SAMPLES    samples per optimizer step over all ranks (global batch)
+  BENCH_LAUNCH_T0  time.time() just before run.py started the launcher
+On CUDA the hook synchronizes at three steps only (the first, the last warm-up step and
+the last step), so the timestamps there include the GPU work queued before them; the
+steps in between run exactly as the loop alone would run them.
+"""
+
+import json
+import os
+import time
+
+
+def process_start():
+    """time.time() when this process started (Linux: from /proc, 10 ms resolution)."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return time.time() - (uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.time()  # elsewhere: when install() was called
+
+
+def install(contender):
+    """Register the hook; rank 0 writes the result JSON right after the last step."""
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    result_path = os.environ["BENCH_RESULT"]
+    total = int(os.environ["BENCH_STEPS"])
+    warmup = int(os.environ["BENCH_WARMUP"])
+    samples_per_step = int(os.environ["BENCH_SAMPLES"])
+    launch_t0 = float(os.environ["BENCH_LAUNCH_T0"])
+    started = process_start()
+    rank = int(os.environ.get("RANK", "0"))
+    cuda = torch.cuda.is_available()
+    synced = {1, warmup, total}
+    stamps = []  # perf_counter() after each step
+    cpu = {}  # process_time() (this process, all threads) at the steady boundaries
+    first_step_wall = []  # time.time() after the first step
+
+    def hook(optimizer, args, kwargs):
+        step = len(stamps) + 1
+        if step > total:
+            return
+        if cuda and step in synced:
+            torch.cuda.synchronize()
+        stamps.append(time.perf_counter())
+        if step in (warmup, total):
+            cpu[step] = time.process_time()
+        if step == 1:
+            first_step_wall.append(time.time())
+        if step == total:
+            write(optimizer)
+
+    def write(optimizer):
+        with torch.no_grad():  # a checksum of the trained weights (after timing)
+            param_sum = sum(
+                p.detach().double().abs().sum().item()
+                for group in optimizer.param_groups
+                for p in group["params"]
+            )
+        group = torch.distributed.is_available() and torch.distributed.is_initialized()
+        checks = {
+            "rank": rank,
+            # Every rank's weights must be equal after the same steps: the proof that
+            # the loop really averaged gradients over the group run.py asked for.
+            "param_abs_sum": param_sum,
+            "group_size": torch.distributed.get_world_size() if group else None,
+        }
+        if rank != 0:
+            dump(checks, f"{result_path}.rank{rank}")
+            return
+        steady_s = stamps[total - 1] - stamps[warmup - 1]
+        steps_s = sorted(b - a for a, b in zip(stamps[warmup - 1 :], stamps[warmup:]))
+        result = {
+            "contender": contender,
+            "steps": total,
+            "warmup_steps": warmup,
+            "samples_per_step": samples_per_step,
+            "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+            "device": "cuda" if cuda else "cpu",
+            "steady_samples_per_s": samples_per_step * (total - warmup) / steady_s,
+            "steady_step_ms": 1000 * steady_s / (total - warmup),
+            # The median step (CPU only: on CUDA the steps between syncs are not timed).
+            "median_step_ms": None if cuda else 1000 * steps_s[len(steps_s) // 2],
+            # CPU time of rank 0's main process per steady step: less sensitive than
+            # wall time to other load on the machine (DataLoader workers not counted).
+            "steady_cpu_ms_per_step": 1000
+            * (cpu[total] - cpu[warmup])
+            / (total - warmup),
+            "first_step_from_launch_s": first_step_wall[0] - launch_t0,
+            "first_step_from_process_start_s": first_step_wall[0] - started,
+            "process_start_from_launch_s": started - launch_t0,
+            "step_end_s": [t - stamps[0] for t in stamps],
+            "torch_threads": torch.get_num_threads(),
+            **checks,
+        }
+        dump(result, result_path)
+
+    def dump(obj, path):
+        with open(path + ".tmp", "w") as f:
+            json.dump(obj, f)
+        os.replace(path + ".tmp", path)
+
+    if warmup < 1 or total <= warmup:
+        raise SystemExit(f"need 1 <= warm-up steps < steps, got {warmup}, {total}")
+    register_optimizer_step_post_hook(hook)
