@@ -8,7 +8,6 @@ device and wraps the model in DDP.
 
 import torch
 from accelerate import Accelerator
-from torch.utils.data import DataLoader
 
 import common
 import steptimer
@@ -24,17 +23,9 @@ def main():
 
     torch.manual_seed(args.seed)
     project, train_set = common.load_project(args)
-    loader = DataLoader(
-        train_set,
-        batch_size=args.batch_size,
-        shuffle=True,
-        num_workers=args.num_workers,
-        pin_memory=accelerator.device.type == "cuda",
-    )
+    loader = common.shuffled_loader(train_set, args, accelerator.device.type == "cuda")
     model = project.build_model()
-    optimizer = torch.optim.SGD(
-        model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4
-    )
+    optimizer = common.sgd(model, args)
     # Accelerate steps a prepared scheduler once per process for every optimizer step,
     # so the same warm-up is written in batches of the whole (unsharded) loader.
     warmup = len(loader)

@@ -8,6 +8,9 @@ import os
 import sys
 from types import SimpleNamespace
 
+import torch
+from torch.utils.data import DataLoader
+
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__)
@@ -33,3 +36,21 @@ def load_project(args):
     )
     train_set, _ = project.build_datasets(data_args)
     return project, train_set
+
+
+def shuffled_loader(train_set, args, cuda):
+    """The loader Accelerate and Fabric start from; each framework then shards it."""
+    return DataLoader(
+        train_set,
+        batch_size=args.batch_size,
+        shuffle=True,
+        num_workers=args.num_workers,
+        pin_memory=cuda,
+    )
+
+
+def sgd(model, args):
+    """The generated project's optimizer settings."""
+    return torch.optim.SGD(
+        model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4
+    )

@@ -10,7 +10,6 @@ import os
 
 import torch
 from lightning.fabric import Fabric
-from torch.utils.data import DataLoader
 
 import common
 import steptimer
@@ -29,18 +28,10 @@ def main():
 
     fabric.seed_everything(args.seed)  # also the seed of Fabric's DistributedSampler
     project, train_set = common.load_project(args)
-    loader = DataLoader(
-        train_set,
-        batch_size=args.batch_size,
-        shuffle=True,
-        num_workers=args.num_workers,
-        pin_memory=fabric.device.type == "cuda",
-    )
+    loader = common.shuffled_loader(train_set, args, fabric.device.type == "cuda")
     loader = fabric.setup_dataloaders(loader)  # shards; moves batches to the device
     model = project.build_model()
-    optimizer = torch.optim.SGD(
-        model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4
-    )
+    optimizer = common.sgd(model, args)
     warmup = len(loader)  # steps per process: the generated project's schedule
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: min(1.0, (step + 1) / warmup)

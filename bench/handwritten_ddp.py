@@ -39,9 +39,7 @@ def main():
     )
     model = project.build_model().to(device)
     model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
-    optimizer = torch.optim.SGD(
-        model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4
-    )
+    optimizer = common.sgd(model, args)
     warmup = len(loader)  # the generated project's warm-up schedule, for equal maths
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: min(1.0, (step + 1) / warmup)
