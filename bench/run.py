@@ -33,6 +33,11 @@ CONTENDERS = {  # name: script; the first is what the ratios divide by
     "accelerate": "accelerate_loop.py",
     "fabric": "fabric_loop.py",
 }
+# glibc's tunables for what main_multi_gpu.py's keep_freed_memory() sets with mallopt.
+MALLOC_ENV = {
+    "MALLOC_MMAP_THRESHOLD_": str(1 << 30),
+    "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
+}
 TABLE_START, TABLE_END = "<!-- bench-table:start -->", "<!-- bench-table:end -->"
 
 
@@ -69,6 +74,13 @@ def parse_args():
         "--contenders",
         default=",".join(CONTENDERS),
         help="comma-separated subset of: " + ", ".join(CONTENDERS),
+    )
+    parser.add_argument(
+        "--malloc-env",
+        action="store_true",
+        help="give every contender the generated project's glibc malloc settings "
+        f"({', '.join(f'{k}={v}' for k, v in MALLOC_ENV.items())}): a control that "
+        "leaves only the loops' own differences",
     )
     parser.add_argument("--timeout", type=float, default=300, help="seconds a run")
     parser.add_argument("--workdir", help="logs and outputs (default: a temp folder)")
@@ -230,6 +242,8 @@ def run_one(name, args, project, nproc, workdir, tag, steps):
     command = command_for(name, run_args, project, nproc, workdir / f"{tag}_out")
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own default, stated for all
+    if args.malloc_env:
+        env.update(MALLOC_ENV)
     env.update(
         PYTHONUNBUFFERED="1",
         BENCH_RESULT=str(result_path),
@@ -367,6 +381,9 @@ def summarize(runs, names, reference):
             "steady_samples_per_s": spread([m["steady_samples_per_s"] for m in mine]),
             "first_step_s": spread([m["first_step_from_launch_s"] for m in mine]),
             "cpu_ms_per_step": spread([m["steady_cpu_ms_per_step"] for m in mine]),
+            "page_faults_per_step": spread(
+                [m["steady_page_faults_per_step"] for m in mine]
+            ),
             "first_step_from_process_start_s": spread(
                 [m["first_step_from_process_start_s"] for m in mine]
             ),
@@ -433,13 +450,14 @@ def render(report):
     s, m, cfg = report["summary"], report["machine"], report["config"]
     header = (
         "| contender | steady samples/s, median [min–max] | ÷ hand-written "
-        "| time to first step (s) | ÷ hand-written | rank-0 CPU ms/step |"
+        "| time to first step (s) | ÷ hand-written | rank-0 CPU ms/step "
+        "| rank-0 page faults/step |"
     )
-    lines = [header, "|---|---:|---:|---:|---:|---:|"]
+    lines = [header, "|---|---:|---:|---:|---:|---:|---:|"]
     for name in cfg["contenders"]:
         e = s.get(name)
         if e is None:
-            lines.append(f"| {name} | failed | | | | |")
+            lines.append(f"| {name} | failed | | | | | |")
             continue
         ratio = fmt_spread(e["steady_ratio"], 3) if "steady_ratio" in e else ""
         first_ratio = (
@@ -448,12 +466,14 @@ def render(report):
         lines.append(
             f"| {name} | {fmt_spread(e['steady_samples_per_s'], 0)} | {ratio} "
             f"| {fmt_spread(e['first_step_s'], 2)} | {first_ratio} "
-            f"| {e['cpu_ms_per_step']['median']:.2f} |"
+            f"| {e['cpu_ms_per_step']['median']:.2f} "
+            f"| {e['page_faults_per_step']['median']:.0f} |"
         )
     load = report["load"]
     shares = [r["others_share"] for r in report["runs"]] or [float("nan")]
     versions = f"torch {m['torch']}, accelerate {m['accelerate']}, "
     versions += f"lightning {m['lightning']}, Python {m['python']}"
+    malloc = " ".join(f"{k}={v}" for k, v in MALLOC_ENV.items())
     machine = f"Machine: {m['cpu']}, {m['cpus_usable']} usable CPUs; {m['device']}; "
     run = (
         f"Run: {cfg['repeats']} repeats (+{cfg['warmup_rounds']} untimed round) of "
@@ -461,11 +481,14 @@ def render(report):
         f"repeat; {cfg['steps']} steps a run, the first {cfg['warmup_steps']} left out "
         f"of the steady rate; batch {cfg['batch_size']} per process x {cfg['nproc']} "
         f"processes; {cfg['num_workers']} DataLoader workers per process; "
-        f"OMP_NUM_THREADS={cfg['omp_num_threads']}. Ratios: the median over repeats "
+        f"OMP_NUM_THREADS={cfg['omp_num_threads']}"
+        + (", and for every contender " + malloc if cfg["malloc_env"] else "")
+        + ". Ratios: the median over repeats "
         "of the ratio within each repeat. Time to first step: from the launch "
         "(torchrun started) to the end of the first optimizer step on rank 0. "
         "CPU ms/step: CPU time of rank 0's main process per steady step (median), "
-        "which other load on the machine disturbs less than wall time."
+        "which other load on the machine disturbs less than wall time. Page faults: "
+        "minor page faults of rank 0's main process per steady step (median)."
     )
     other = (
         f"Other load: processes outside the benchmark used {load['others_cpu_s']:.0f} "

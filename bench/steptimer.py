@@ -18,6 +18,7 @@ steps in between run exactly as the loop alone would run them.
 
 import json
 import os
+import resource
 import time
 
 
@@ -48,6 +49,7 @@ def install(contender):
     cuda = torch.cuda.is_available()
     synced = {1, warmup, total}
     stamps = []  # perf_counter() after each step
+    rusage = {}  # (minor page faults, user s, sys s) at the steady boundaries
     cpu = {}  # process_time() (this process, all threads) at the steady boundaries
     first_step_wall = []  # time.time() after the first step
 
@@ -60,6 +62,8 @@ def install(contender):
         stamps.append(time.perf_counter())
         if step in (warmup, total):
             cpu[step] = time.process_time()
+            usage = resource.getrusage(resource.RUSAGE_SELF)
+            rusage[step] = (usage.ru_minflt, usage.ru_utime, usage.ru_stime)
         if step == 1:
             first_step_wall.append(time.time())
         if step == total:
@@ -83,6 +87,11 @@ def install(contender):
         if rank != 0:
             dump(checks, f"{result_path}.rank{rank}")
             return
+
+        def per_step(field, scale):
+            done, begun = rusage[total][field], rusage[warmup][field]
+            return scale * (done - begun) / (total - warmup)
+
         steady_s = stamps[total - 1] - stamps[warmup - 1]
         steps_s = sorted(b - a for a, b in zip(stamps[warmup - 1 :], stamps[warmup:]))
         result = {
@@ -101,6 +110,11 @@ def install(contender):
             "steady_cpu_ms_per_step": 1000
             * (cpu[total] - cpu[warmup])
             / (total - warmup),
+            # Minor page faults per steady step, and the CPU time split into user and
+            # kernel (sys): memory the C allocator gave back and takes again shows here.
+            "steady_page_faults_per_step": per_step(0, 1),
+            "steady_user_ms_per_step": per_step(1, 1000),
+            "steady_sys_ms_per_step": per_step(2, 1000),
             "first_step_from_launch_s": first_step_wall[0] - launch_t0,
             "first_step_from_process_start_s": first_step_wall[0] - started,
             "process_start_from_launch_s": started - launch_t0,
