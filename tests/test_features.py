@@ -5,6 +5,8 @@ NumPy, and the allocator setting that keeps page faults out of the CPU step. Spe
 import csv
 import json
 import math
+import os
+import subprocess
 import sys
 
 import pytest
@@ -188,7 +190,7 @@ PAGE_FAULTS = """                scheduler.step()
                         print(f"page faults per step: {(faults - faults_at_10) / 180}")
                     faults_at_10 = faults
 """
-KEEP_FREED_MEMORY = "    keep_freed_memory()  # before any tensor;"
+KEEP_FREED_MEMORY = "    keep_freed_memory()  # before any tensor"
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc tuning")
@@ -209,6 +211,35 @@ def test_freed_memory_is_kept_instead_of_faulted_in_every_step(tmp_path):
         faults[kept] = float(line.split(":")[1])
     assert faults[True] < 5, faults
     assert faults[False] > 100, faults
+
+
+PRINT_MALLOC_ENV = (
+    "import os; print(*(os.environ.get(f'MALLOC_{name}_THRESHOLD_') "
+    "for name in ('TRIM', 'MMAP')))"
+)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc tuning")
+def test_processes_that_do_not_fork_get_the_same_malloc_setting(project):
+    """DataLoader workers under spawn or forkserver (Python 3.14's default on Linux)
+    start a new C library: glibc reads the setting from their environment."""
+    script = f"""
+import subprocess, sys
+sys.path.insert(0, {str(project)!r})
+import main_multi_gpu
+child = [sys.executable, "-c", {PRINT_MALLOC_ENV!r}]
+print(subprocess.run(child, capture_output=True, text=True).stdout.strip())
+main_multi_gpu.keep_freed_memory()
+print(subprocess.run(child, capture_output=True, text=True).stdout.strip())
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    before, after = result.stdout.splitlines()
+    assert before == "None None"
+    assert after == f"{1 << 30} {1 << 30}"
 
 
 @pytest.mark.gpu

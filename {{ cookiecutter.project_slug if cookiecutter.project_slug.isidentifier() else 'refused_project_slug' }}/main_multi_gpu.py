@@ -774,6 +774,10 @@ def keep_freed_memory(limit=1 << 30):
         if hasattr(libc, "mallopt"):  # glibc (other C libraries: absent or a no-op)
             libc.mallopt(-3, limit)  # M_MMAP_THRESHOLD: larger blocks get their own map
             libc.mallopt(-1, limit)  # M_TRIM_THRESHOLD: free heap top kept up to this
+        # The same for processes started from here that do not fork (DataLoader
+        # workers under the spawn or forkserver start method): glibc reads these.
+        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(limit))
+        os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(limit))
 
 
 def run(args):
@@ -781,7 +785,7 @@ def run(args):
 
     Returns the exit status: 0, or PREEMPTED after a SIGTERM.
     """
-    keep_freed_memory()  # before any tensor; DataLoader workers inherit it (fork)
+    keep_freed_memory()  # before any tensor, and so before any DataLoader worker
     device = setup_distributed(args.backend, args.dist_timeout)
     # SIGTERM (how Slurm and Kubernetes preempt, and how torchrun stops workers) no
     # longer kills at once: training stops at the next check and saves a checkpoint.
