@@ -49,8 +49,7 @@ def install(contender):
     cuda = torch.cuda.is_available()
     synced = {1, warmup, total}
     stamps = []  # perf_counter() after each step
-    rusage = {}  # (minor page faults, user s, sys s) at the steady boundaries
-    cpu = {}  # process_time() (this process, all threads) at the steady boundaries
+    rusage = {}  # (minor faults, user s, sys s), all threads, at the steady boundaries
     first_step_wall = []  # time.time() after the first step
 
     def hook(optimizer, args, kwargs):
@@ -61,7 +60,6 @@ def install(contender):
             torch.cuda.synchronize()
         stamps.append(time.perf_counter())
         if step in (warmup, total):
-            cpu[step] = time.process_time()
             usage = resource.getrusage(resource.RUSAGE_SELF)
             rusage[step] = (usage.ru_minflt, usage.ru_utime, usage.ru_stime)
         if step == 1:
@@ -107,9 +105,7 @@ def install(contender):
             "median_step_ms": None if cuda else 1000 * steps_s[len(steps_s) // 2],
             # CPU time of rank 0's main process per steady step: less sensitive than
             # wall time to other load on the machine (DataLoader workers not counted).
-            "steady_cpu_ms_per_step": 1000
-            * (cpu[total] - cpu[warmup])
-            / (total - warmup),
+            "steady_cpu_ms_per_step": per_step(1, 1000) + per_step(2, 1000),
             # Minor page faults per steady step, and the CPU time split into user and
             # kernel (sys): memory the C allocator gave back and takes again shows here.
             "steady_page_faults_per_step": per_step(0, 1),

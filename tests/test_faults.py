@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from conftest import (
-    TEARDOWN_ABORT,
     act_after_step,
     bake,
     edit,
+    failed_in_teardown,
     free_port,
     load_weights,
     max_difference,
@@ -47,10 +47,10 @@ def live_members(group):
 def watch(command, project, env, out_dir, timeout=90):
     """Run a job in its own process group. Returns (exit code, output, seconds until
     the launcher exited, processes of the job still alive 5 s after that). A job hit
-    by torch's gloo teardown abort (conftest.TEARDOWN_ABORT) runs again once, from an
-    empty output folder."""
+    by torch's gloo teardown abort (conftest.failed_in_teardown, as in run_job) runs
+    again once, from an empty output folder."""
     result = watch_once(command, project, env, timeout)
-    if TEARDOWN_ABORT in result[1]:
+    if failed_in_teardown(*result[:2]):
         shutil.rmtree(out_dir, ignore_errors=True)
         result = watch_once(command, project, env, timeout)
     return result

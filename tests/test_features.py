@@ -1,6 +1,7 @@
 """The speed and insight flags: --grad-accum (with no_sync), --amp, --compile, the
 per-epoch time breakdown, --profile-steps, loss.png and --tensorboard, a run without
-NumPy, and the allocator setting that keeps page faults out of the CPU step. Speed itself is measured in bench/, never here."""
+NumPy, and the allocator setting that keeps page faults out of the CPU step. Speed
+itself is measured in bench/, never here."""
 
 import csv
 import json
