@@ -620,7 +620,8 @@ def train(args, device):
         # (The BatchSampler draws from this same sampler, so it follows.)
 {% endif %}
         train_sampler.set_epoch(epoch, start=first_step * args.batch_size)
-        # Per-rank randomness (dropout, augmentation), repeated exactly after a resume.
+        # Per-rank randomness (dropout, augmentation): the same after a resume at an
+        # epoch boundary; after a mid-epoch stop, the rest of that epoch draws anew.
         torch.manual_seed(args.seed + epoch * world_size + rank)
         ddp_model.train()
         start = time.perf_counter()
