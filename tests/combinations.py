@@ -15,9 +15,12 @@ CORE = ("nodes", "launcher", "use_batch_sampler", "sync_bn", "save_strategy")
 
 
 def choices(config=CONFIG):
-    """{prompt: [values]} for every choice and boolean prompt, in file order."""
+    """{prompt: [values]} for every choice and boolean prompt, in file order (keys
+    starting with "_" are cookiecutter's settings, not prompts)."""
     result = {}
     for key, value in config.items():
+        if key.startswith("_"):
+            continue
         if isinstance(value, bool):
             result[key] = [value, not value]
         elif isinstance(value, list):

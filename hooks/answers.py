@@ -1,15 +1,19 @@
-"""Refuse answers that cannot make a working project, before any file is written.
+"""Refuse answers that cannot make a working project, before anything is written.
 
-Cookiecutter deletes the project folder when this hook exits non-zero.
+Cookiecutter creates the project folder, and any parent folder a slug such as `a/b`
+names, before its pre-generation hook runs; a failing hook removes the project folder
+but not those parents. So the answers are checked earlier, while cookiecutter renders
+them: `cookiecutter.json` loads this module as a Jinja extension (`_extensions`) and
+renders its last private variable through the `check_answers` filter, after every
+prompt has been answered and before any folder exists.
 """
 
-import json
 import keyword
 import sys
 
-# The answers arrive as one JSON document inside a Python string literal: quotes,
-# backslashes and newlines in user text cannot break out of it.
-ANSWERS = json.loads({{ cookiecutter | tojson | tojson }})
+from cookiecutter.exceptions import FailedHookException
+from jinja2.ext import Extension
+
 CHOICES = {
     "nodes": ("single", "multi"),
     "launcher": ("torchrun", "spawn"),
@@ -43,12 +47,17 @@ def problems(answers):
             yield f"{key} {answers[key]!r} is not a boolean (true or false)"
 
 
-def main():
-    messages = list(problems(ANSWERS))
+def check_answers(answers):
+    """The filter: "passed", or one `error:` line per problem on stderr and a stop."""
+    messages = list(problems(answers))
     for message in messages:
         print(f"error: {message}", file=sys.stderr)
-    return 1 if messages else 0
+    if messages:
+        raise FailedHookException("Stopping generation: nothing was written.")
+    return "passed"
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+class CheckAnswers(Extension):
+    def __init__(self, environment):
+        super().__init__(environment)
+        environment.filters["check_answers"] = check_answers
