@@ -1,5 +1,6 @@
 """Command line shared by the three hand-made contenders, and the generated project's
-model, data and loss, imported from its main_multi_gpu.py so all four train the same.
+model, data and loss, imported from its main_multi_gpu.py so all four train the same
+(build_model(args) and compute_loss(model, batch), as a user edits them).
 """
 
 import argparse

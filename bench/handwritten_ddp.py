@@ -37,7 +37,7 @@ def main():
         num_workers=args.num_workers,
         pin_memory=device.type == "cuda",
     )
-    model = project.build_model().to(device)
+    model = project.build_model(args).to(device)
     model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
     optimizer = common.sgd(model, args)
     warmup = len(loader)  # the generated project's warm-up schedule, for equal maths
@@ -49,7 +49,7 @@ def main():
     model.train()
     for images, targets in loader:
         images, targets = images.to(device), targets.to(device)
-        loss = project.compute_loss(model(images), targets)
+        loss, _ = project.compute_loss(model, (images, targets))
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

@@ -1,3 +1,4 @@
+import ast
 import contextlib
 import importlib.util
 import os
@@ -90,9 +91,9 @@ def run_jobs(commands, cwd, env=None, timeout=JOB_TIMEOUT):
 
 
 # torch 2.13 + gloo, intermittently (about 1 run in 150 here): after a job has finished
-# and saved, a rank aborts in its exit teardown with this message, or hangs there
-# (pytorch#56297, see shared/torch-facts.md). Such a job, and only such (its output
-# says it saved the final weights), is run again once.
+# and saved, a rank aborts in its exit teardown with this message, or hangs there (it
+# looks like pytorch#56297: a gloo thread waiting for the GIL at exit). Such a job, and
+# only such (its output says it saved the final weights), is run again once.
 TEARDOWN_ABORT = "terminate called without an active exception"
 
 
@@ -143,19 +144,28 @@ def without_batchnorm(project):
         edit(project, f"nn.BatchNorm2d({channels}),", "nn.Identity(),")
 
 
-# After every optimizer step: when TEST_ACT_AT is "rank:epoch:step" (0-based), run
-# the action in TEST_ACTION (os.kill(...)); never in a torchrun restart.
-ACT_AFTER_STEP = """                scheduler.step()
-                here = f"{rank}:{epoch}:{step}"
-                if os.environ.get("TEST_ACT_AT") == here and not int(
-                    os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-                ):
-                    exec(os.environ["TEST_ACTION"])
+# The line of the training loop that makes each optimizer update; code added after it
+# runs after every update, with rank, epoch and step (0-based) in scope.
+UPDATE = "            update(t, sums.take_group_units())\n"
+
+# After every optimizer update: when TEST_ACT_AT is "rank:epoch:step", run the action
+# in TEST_ACTION (os.kill(...)); never in a torchrun restart.
+ACT_AFTER_STEP = f"""{UPDATE}            here = f"{{rank}}:{{epoch}}:{{step}}"
+            if os.environ.get("TEST_ACT_AT") == here and not int(
+                os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            ):
+                exec(os.environ["TEST_ACTION"])
 """
 
 
 def act_after_step(project):
-    edit(project, "                scheduler.step()\n", ACT_AFTER_STEP)
+    edit(project, UPDATE, ACT_AFTER_STEP)
+
+
+def default_model(project):
+    """The generated build_model() with the default arguments, as a user loads it."""
+    module = load_module(project)
+    return module.build_model(module.parse_args([]))
 
 
 def load_weights(path):
@@ -165,3 +175,49 @@ def load_weights(path):
 def max_difference(a, b):
     assert a.keys() == b.keys()
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+USER_FUNCTIONS = (
+    "build_datasets",
+    "build_model",
+    "build_optimizer",
+    "compute_loss",
+    "compute_metrics",
+)
+
+
+def replace_user_functions(project, source):
+    """Replace, wholesale, each of the five functions a user edits that `source`
+    defines, as a user adapting the project would; `source`'s other statements
+    (imports, helpers) go before them. Nothing else in the script changes: the five
+    must be one block of it."""
+    script = project / "main_multi_gpu.py"
+    code = script.read_text()
+    lines = code.splitlines(keepends=True)
+    ours = {
+        node.name: node
+        for node in ast.parse(code).body
+        if isinstance(node, ast.FunctionDef) and node.name in USER_FUNCTIONS
+    }
+    assert sorted(ours) == sorted(USER_FUNCTIONS)
+    first = min(node.lineno for node in ours.values())
+    last = max(node.end_lineno for node in ours.values())
+    inside = [n for n in ast.parse(code).body if first <= n.lineno <= last]
+    assert len(inside) == len(USER_FUNCTIONS), "the five are not one block"
+
+    new = ast.parse(source).body
+    theirs = {n.name: n for n in new if isinstance(n, ast.FunctionDef)}
+    assert theirs and set(theirs) <= set(USER_FUNCTIONS), sorted(theirs)
+    source_lines = source.splitlines(keepends=True)
+
+    def text(node, lines):
+        return "".join(lines[node.lineno - 1 : node.end_lineno]) + "\n\n"
+
+    helpers = [
+        text(n, source_lines) for n in new if getattr(n, "name", 0) not in theirs
+    ]
+    block = [
+        text(theirs[name], source_lines) if name in theirs else text(node, lines)
+        for name, node in sorted(ours.items(), key=lambda item: item[1].lineno)
+    ]
+    script.write_text("".join([*lines[: first - 1], *helpers, *block, *lines[last:]]))

@@ -5,7 +5,6 @@ checks that nothing of the job is left running once the launcher has exited."""
 
 import contextlib
 import os
-import re
 import shutil
 import signal
 import socket
@@ -122,12 +121,8 @@ def test_a_killed_worker_stops_the_job_and_is_named(tmp_path, launcher):
     assert code != 0, output
     assert seconds < 60, output
     assert left == [], output
-    if launcher == "torchrun":
-        root_cause = output.partition("Root Cause (first observed failure)")[2]
-        assert re.search(r"rank\s+: 1 \(local_rank: 1\)", root_cause), output
-        assert re.search(r"exitcode\s+: -9 .*SIGKILL", root_cause), output
-    else:
-        assert "error: rank 1 died (SIGKILL); the other workers were stopped" in output
+    # Both launchers name the rank in one line.
+    assert "error: rank 1 died (SIGKILL); the other workers were stopped" in output
     assert load_weights(out_dir / "checkpoint_last.pt")["epoch"] == 1
 
 
@@ -190,12 +185,8 @@ def test_a_kill_while_saving_keeps_the_previous_checkpoint(tmp_path, reference):
 
 @pytest.mark.parametrize(
     ("launcher", "strategy", "target"),
-    [
-        ("torchrun", "last", "job"),
-        ("spawn", "final_only", "job"),
-        ("torchrun", "every_epoch", "launcher"),
-        ("spawn", "best", "launcher"),
-    ],
+    # Ctrl-C, which stops the same way, runs final_only in test_safety.py.
+    [("torchrun", "every_epoch", "job"), ("spawn", "best", "launcher")],
 )
 def test_sigterm_saves_then_resume_ends_the_same(
     tmp_path, reference, launcher, strategy, target
@@ -211,14 +202,16 @@ def test_sigterm_saves_then_resume_ends_the_same(
     out_dir = tmp_path / "out"
     command, env = single(out_dir, LONG, TEST_ACT_AT="0:1:5", TEST_ACTION=action)
     code, output, seconds, left = watch(command, project, env, out_dir)
-    # The spawn parent exits 143 like its workers; torchrun reports its own SIGTERM.
-    assert code == (143 if launcher == "spawn" else 1), output
+    # The launcher exits 143 like its workers, whoever got the signal first.
+    assert code == 143, output
+    assert "Traceback" not in output
     assert seconds < 60 and left == [], output
     last = out_dir / "checkpoint_last.pt"
     line = f"preempted: saved {last} in epoch 2 after 20 steps"
     assert output.count(line) == 1, output
     checkpoint = load_weights(last)
-    assert (checkpoint["epoch"], checkpoint["step"]) == (1, 20)
+    # 20 steps of 2 ranks x 8 samples into epoch 2, in global samples.
+    assert (checkpoint["epoch"], checkpoint["epoch_samples"]) == (1, 20 * 2 * 8)
 
     command, env = single(out_dir, LONG)
     code, output = run_job(command, project, env)

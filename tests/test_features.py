@@ -1,7 +1,7 @@
-"""The speed and insight flags: --grad-accum (with no_sync), --amp, --compile, the
-per-epoch time breakdown, --profile-steps, loss.png and --tensorboard, a run without
-NumPy, and the allocator setting that keeps page faults out of the CPU step. Speed
-itself is measured in bench/, never here."""
+"""The speed and insight flags: --amp, --compile, the per-epoch time breakdown,
+--profile-steps, loss.png and --tensorboard, a run without NumPy, and the allocator
+setting that keeps page faults out of the CPU step. (--grad-accum: test_workbench.py
+and test_elastic.py.) Speed itself is measured in bench/, never here."""
 
 import csv
 import json
@@ -16,12 +16,12 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from conftest import (
     TINY,
+    UPDATE,
     bake,
     edit,
     load_weights,
     max_difference,
     run_job,
-    without_batchnorm,
 )
 
 COMMON = ["--num-workers", "0", "--val-size", "37", "--train-size", "64"]
@@ -58,45 +58,30 @@ def project(tmp_path_factory):
     return bake(tmp_path_factory.mktemp("features"), save_strategy="last")
 
 
-def test_gradient_accumulation_equals_the_big_batch(tmp_path):
-    """2 workers x 4 samples x 2 micro-batches == 1 x 8 x 2 == 1 x 16 x 1 (no BN)."""
-    project = bake(tmp_path, save_strategy="final_only")
-    without_batchnorm(project)
-    args = [*COMMON, "--epochs", "2"]
-    train(project, tmp_path / "a", *args, "--batch-size", "4", "--grad-accum", "2")
-    train(
-        project,
-        tmp_path / "b",
-        *args,
-        "--batch-size",
-        "8",
-        "--grad-accum",
-        "2",
-        nproc=1,
-    )
-    train(project, tmp_path / "c", *args, "--batch-size", "16", nproc=1)
-    a, b, c = (load_weights(tmp_path / d / "model_final.pt") for d in "abc")
-    assert max_difference(a, b) < 1e-5
-    assert max_difference(a, c) < 1e-5
-    # The control: the same micro-batches without accumulation take twice the
-    # optimizer steps and end elsewhere.
-    train(project, tmp_path / "d", *args, "--batch-size", "4")
-    assert max_difference(a, load_weights(tmp_path / "d" / "model_final.pt")) > 1e-3
+@pytest.fixture(scope="module")
+def fp32_weights(project, tmp_path_factory):
+    """The final weights of the run the --amp runs are compared with."""
+    out = tmp_path_factory.mktemp("fp32")
+    train(project, out, *COMMON, "--batch-size", "8", "--epochs", "2")
+    return load_weights(out / "model_final.pt")
 
 
-@pytest.mark.parametrize("amp", ["bf16", "fp16"])
-def test_amp_trains_in_lower_precision_and_fp16_resumes_its_scaler(
-    project, tmp_path, amp
+def test_bf16_autocast_trains_close_to_fp32(project, fp32_weights, tmp_path):
+    out = tmp_path / "bf16"
+    train(project, out, *COMMON, "--batch-size", "8", "--amp", "bf16", "--epochs", "2")
+    difference = max_difference(load_weights(out / "model_final.pt"), fp32_weights)
+    assert 0 < difference < 0.05  # autocast was on, and it still trained the same task
+    assert load_weights(out / "checkpoint_last.pt")["scaler"] == {}  # none needed
+
+
+def test_fp16_trains_close_to_fp32_and_resumes_its_loss_scaler(
+    project, fp32_weights, tmp_path
 ):
-    args = [*COMMON, "--batch-size", "8", "--amp", amp]
+    args = [*COMMON, "--batch-size", "8", "--amp", "fp16"]
     full, cut = tmp_path / "full", tmp_path / "cut"
     train(project, full, *args, "--epochs", "2")
-    train(project, tmp_path / "fp32", *COMMON, "--batch-size", "8", "--epochs", "2")
-    difference = max_difference(
-        load_weights(full / "model_final.pt"),
-        load_weights(tmp_path / "fp32" / "model_final.pt"),
-    )
-    assert 0 < difference < 0.05  # autocast was on, and it still trained the same task
+    difference = max_difference(load_weights(full / "model_final.pt"), fp32_weights)
+    assert 0 < difference < 0.05
     for row in metrics(full):
         assert math.isfinite(float(row["train_loss"]))
 
@@ -110,18 +95,15 @@ def test_amp_trains_in_lower_precision_and_fp16_resumes_its_scaler(
     )
     scaler = load_weights(cut / "checkpoint_last.pt")["scaler"]
     assert scaler == load_weights(full / "checkpoint_last.pt")["scaler"]
-    if amp == "fp16":
-        assert scaler["scale"] > 0  # GradScaler state, saved and restored
-    else:
-        assert scaler == {}  # no scaler needed for bfloat16
+    assert scaler["scale"] > 0  # GradScaler state, saved and restored
 
 
 def test_compile_builds_graphs_and_matches_eager(tmp_path):
     project = bake(tmp_path, save_strategy="final_only")
     edit(
         project,
-        '        plot_losses(out_dir / "metrics.csv", out_dir / "loss.png")\n',
-        '        plot_losses(out_dir / "metrics.csv", out_dir / "loss.png")\n'
+        "        report_outputs(out_dir, plotted, args.tensorboard)\n",
+        "        report_outputs(out_dir, plotted, args.tensorboard)\n"
         "        from torch._dynamo.utils import counters\n"
         '        print("graphs:", counters["stats"]["unique_graphs"])\n',
     )
@@ -154,7 +136,8 @@ def test_time_breakdown_profile_plot_and_tensorboard(project, tmp_path):
     assert len(steps) == 3
 
     assert (out_dir / "loss.png").read_bytes().startswith(PNG_MAGIC)
-    assert output.count(f"saved {out_dir / 'loss.png'}") == 1
+    tensorboard = f"view: tensorboard --logdir {out_dir / 'tensorboard'}"
+    assert output.count(f"plot {out_dir / 'loss.png'}, {tensorboard}\n") == 1
 
     events = EventAccumulator(str(out_dir / "tensorboard"))
     events.Reload()
@@ -169,7 +152,8 @@ def test_without_numpy_matplotlib_or_tensorboard(project, tmp_path):
     env = without_modules(tmp_path, "numpy", "matplotlib", "tensorboard")
     out_dir = tmp_path / "out"
     output = train(project, out_dir, *TINY, env=env)
-    assert output.count("no loss.png: pip install matplotlib to plot the losses") == 1
+    done = f"metrics {out_dir / 'metrics.csv'} (pip install matplotlib for a plot)\n"
+    assert output.count(done) == 1
     assert not (out_dir / "loss.png").exists()
     assert [row["epoch"] for row in metrics(out_dir)] == ["1", "2"]
 
@@ -182,14 +166,13 @@ def test_without_numpy_matplotlib_or_tensorboard(project, tmp_path):
 
 # After each optimizer step: rank 0 prints its minor page faults per step over 180
 # steady steps (10 to 190), memory the C allocator returned to the kernel and takes back.
-PAGE_FAULTS = """                scheduler.step()
-                if rank == 0 and step in (10, 190):
-                    import resource
+PAGE_FAULTS = f"""{UPDATE}            if rank == 0 and step in (10, 190):
+                import resource
 
-                    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-                    if step == 190:
-                        print(f"page faults per step: {(faults - faults_at_10) / 180}")
-                    faults_at_10 = faults
+                faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+                if step == 190:
+                    print(f"page faults per step: {{(faults - faults_at_10) / 180}}")
+                faults_at_10 = faults
 """
 KEEP_FREED_MEMORY = "    keep_freed_memory()  # before any tensor"
 
@@ -201,7 +184,7 @@ def test_freed_memory_is_kept_instead_of_faulted_in_every_step(tmp_path):
     faults = {}
     for kept in (True, False):
         project = bake(tmp_path / str(kept), save_strategy="final_only")
-        edit(project, "                scheduler.step()\n", PAGE_FAULTS)
+        edit(project, UPDATE, PAGE_FAULTS)
         if not kept:  # the control: the call removed
             edit(project, KEEP_FREED_MEMORY, "    pass  #")
         # 12800 samples: 200 steps of 32 per rank, as in bench/ (smaller data sets
@@ -211,7 +194,7 @@ def test_freed_memory_is_kept_instead_of_faulted_in_every_step(tmp_path):
         [line] = [x for x in output.splitlines() if x.startswith("page faults per")]
         faults[kept] = float(line.split(":")[1])
     assert faults[True] < 5, faults
-    assert faults[False] > 100, faults
+    assert faults[False] > 20, faults  # 40-1500 here, with the same code
 
 
 PRINT_MALLOC_ENV = (

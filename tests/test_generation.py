@@ -1,5 +1,6 @@
 """Every combination of prompts generates a clean project."""
 
+import ast
 import py_compile
 import re
 import subprocess
@@ -94,9 +95,11 @@ def test_only_the_chosen_variant_is_in_the_script(baked):
             answers["save_strategy"] == "every_epoch"
         )
         resumable = answers["save_strategy"] != "final_only"
-        # Every epoch (indented under "if is_main:"), or only on SIGTERM (final_only).
-        every_epoch = "\n            save_atomic(snapshot(epoch + 1), last_path)\n"
-        on_sigterm = "\n                save_atomic(snapshot(epoch + 1), last_path)\n"
+        # Every epoch (under "if is_main:"), or only on SIGTERM (final_only).
+        every_epoch = "\n                save_atomic(state, last_path)\n"
+        on_sigterm = (
+            "\n                    save_atomic(snapshot(t, epoch + 1), last_path)\n"
+        )
         assert (every_epoch in code, on_sigterm in code) == (resumable, not resumable)
         assert ("--nnodes" in code) == (
             answers["launcher"] == "spawn" and answers["nodes"] == "multi"
@@ -108,6 +111,21 @@ def test_only_the_chosen_variant_is_in_the_script(baked):
             text = sbatch.read_text()
             assert ("torchrun" in text) == (answers["launcher"] == "torchrun"), case
             assert ("--node-rank" in text) == (answers["nodes"] == "multi"), case
+
+
+def test_no_function_is_longer_than_a_screen(baked):
+    """The step and the epoch loop read on one screen: no function (the five user
+    functions and the machinery alike) over 80 lines, in any variant."""
+    for case in IDS:
+        code = (baked[1][case] / "main_multi_gpu.py").read_text()
+        lengths = {
+            node.name: node.end_lineno - node.lineno + 1
+            for node in ast.walk(ast.parse(code))
+            if isinstance(node, ast.FunctionDef)
+        }
+        assert len(lengths) > 40, case
+        longest = max(lengths, key=lengths.get)
+        assert lengths[longest] <= 80, (case, longest, lengths[longest])
 
 
 def test_ruff_check_and_format(baked):
@@ -144,6 +162,7 @@ def test_shellcheck(baked):
 
 
 def test_template_has_no_repo_only_files():
-    (folder,) = TEMPLATE.glob("{{*cookiecutter.project_slug*}}")
+    (folder,) = TEMPLATE.glob("{{*}}")
+    assert folder.name == "{{cookiecutter.project_slug}}"  # the design card's name
     names = {p.name for p in folder.iterdir()}
     assert names == COMMON_FILES | {"run_multi.sh", "run_slurm.sbatch"}

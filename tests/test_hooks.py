@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from combinations import TEMPLATE
-from conftest import TINY, bake, load_module, run_job
+from conftest import TINY, bake, default_model, run_job
 
 REFUSED = [
     ("project_slug", "a/b", "project_slug 'a/b' is not a valid Python identifier"),
@@ -92,4 +92,4 @@ def test_tricky_name_project_trains(tmp_path):
     )
     assert code == 0, output
     weights = torch.load(project / "out" / "model_final.pt", weights_only=True)
-    load_module(project).build_model().load_state_dict(weights)
+    default_model(project).load_state_dict(weights)

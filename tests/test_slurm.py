@@ -130,3 +130,16 @@ def test_preempted_job_requeues_and_ends_with_the_same_weights(
     assert final.keys() == reference.keys()
     for key in final:
         torch.testing.assert_close(final[key], reference[key], rtol=0, atol=1e-6)
+
+
+def test_a_flag_that_cannot_work_fails_the_job_in_one_line(cluster, tmp_path):
+    project = bake(tmp_path, scheduler="slurm")
+    job, output = run_slurm_job(cluster, project, [*TINY, "--batch-size", "0"])
+    assert (job["JobState"], job["ExitCode"]) == ("FAILED", "2:0"), output
+    # srun adds its own line about the task's exit status.
+    ours = [line for line in output.splitlines() if not line.startswith("srun: ")]
+    errors = [line for line in ours if "error" in line.lower()]
+    assert errors == [
+        "error: argument --batch-size: must be at least 1, not 0 (see --help)"
+    ]
+    assert "Traceback" not in output

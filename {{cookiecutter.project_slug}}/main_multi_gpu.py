@@ -9,26 +9,36 @@
 #   1. join the process group described by the launcher's environment
 #   2. a DistributedSampler shards the data, and set_epoch reshuffles it every epoch
 #   3. the model is wrapped in DDP, which averages gradients across processes
-#   4. only rank 0 prints and saves (the plain model, model.module)
-# Your own data, model and loss go in the three functions marked "EDIT HERE".
+#   4. only rank 0 prints and saves (the plain model, not the DDP wrapper)
+# Your data, model, loss, metrics and optimizer go in the five functions under
+# "EDIT HERE"; nothing else in this file needs to change for them.
 """Train a model with DistributedDataParallel; run with --help for the options."""
 
 import argparse
 import contextlib
 import csv
 import ctypes
+import faulthandler
 import io
 import itertools
+import logging
 import math
+import multiprocessing
 import os
+{% if not spawn %}
+import shlex
+{% endif %}
 import signal
 import socket
 import sys
 import threading
 import time
+import traceback
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from pickle import UnpicklingError
 
 import torch
 import torch.distributed as dist
@@ -37,6 +47,12 @@ import torch.multiprocessing as mp
 {% endif %}
 import torch.nn.functional as F
 from torch import nn
+{% if not spawn %}
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous import RendezvousError
+from torch.distributed.run import main as torchrun
+{% endif %}
 from torch.nn.parallel import DistributedDataParallel as DDP
 {% if cookiecutter.use_batch_sampler %}
 from torch.utils.data import (
@@ -58,26 +74,68 @@ from torch.utils.data import (
 {% endif %}
 from tqdm import tqdm
 
-NUM_CLASSES = 10
-LOG_EVERY = 20  # steps between progress updates and SIGTERM checks (each waits for GPU)
-PREEMPTED = 143  # exit status after SIGTERM: checkpoint saved, run again to continue
-STOP = threading.Event()  # set by SIGTERM
-# Columns of metrics.csv, one row per epoch.
-METRICS = ["epoch", "train_loss", "val_loss", "val_acc", "lr"]
-METRICS += ["samples_per_s", "epoch_s", "data_s", "compute_s", "optimizer_s"]
-CHANNELS_LAST = True  # NHWC images and weights on GPU: faster convolutions
+LOG_EVERY = 20  # optimizer updates between progress reports and checks (each waits)
+COLLECTIVE_GRACE = 30  # seconds a collective may wait beyond --dist-timeout
+STOP_SIGNAL = None  # the first SIGTERM or SIGINT received: stop, save, exit 128 + it
+CHANNELS_LAST = True  # on GPUs, 2-D convolutions in NHWC: faster
 AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def parse_args():
+def parse_args(argv=None):
+    """The command line. A value that cannot work stops the run here, before anything
+    starts: one line, exit status 2."""
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--batch-size", type=int, default=32, help="per process")
-    parser.add_argument("--lr", type=float, default=0.1)
+    parser.error = usage_error
+    add_training_arguments(parser)
+    add_running_arguments(parser)
+    args = parser.parse_args(argv)
+{% if spawn and multi %}
+    if args.node_rank >= args.nnodes:
+        usage_error(f"argument --node-rank: must be below --nnodes {args.nnodes}")
+{% endif %}
+    return args
+
+
+def usage_error(message):
+    """argparse's errors and ours: one line (rank 0), exit 2, before anything starts."""
+    raise failure(f"error: {message} (see --help)", status=2)
+
+
+def at_least(least, most=math.inf):
+    """An argparse type: a whole number from `least` (to `most`)."""
+
+    def number(text):
+        value = int(text)
+        if not least <= value <= most:
+            top = "" if most == math.inf else f" and at most {most}"
+            message = f"must be at least {least}{top}, not {value}"
+            raise argparse.ArgumentTypeError(message)
+        return value
+
+    number.__name__ = "int"  # argparse: "invalid int value: ..."
+    return number
+
+
+def positive(text):
+    """An argparse type: a number above 0 (and finite)."""
+    value = float(text)
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be above 0, not {text}")
+    return value
+
+
+def add_training_arguments(parser):
+    parser.add_argument("--epochs", type=at_least(1), default=10)
+    parser.add_argument(
+        "--batch-size", type=at_least(1), default=32, help="per process"
+    )
+    parser.add_argument("--lr", type=positive, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--num-workers", type=int, default=2, help="per process")
-    parser.add_argument("--train-size", type=int, default=2048)
-    parser.add_argument("--val-size", type=int, default=512)
+    parser.add_argument(
+        "--num-workers", type=at_least(0), default=2, help="per process"
+    )
+    parser.add_argument("--train-size", type=at_least(1), default=2048)
+    parser.add_argument("--val-size", type=at_least(1), default=512)
     parser.add_argument("--output-dir", default="outputs")
     parser.add_argument(
         "--amp",
@@ -87,17 +145,28 @@ def parse_args():
     )
     parser.add_argument(
         "--grad-accum",
-        type=int,
-        default=1,
+        type=at_least(1),
         metavar="N",
-        help="micro-batches per optimizer step (global batch: N x batch x world size)",
+        help="micro-batches per optimizer update (default 1; when resuming, what "
+        "keeps the checkpoint's global batch of processes x batch x N)",
+    )
+    parser.add_argument(
+        "--allow-batch-change",
+        action="store_true",
+        help="resume with a global batch other than the checkpoint's",
+    )
+    parser.add_argument(
+        "--clip-grad-norm",
+        type=positive,
+        metavar="F",
+        help="clip the gradient norm to F before each update (default: off)",
     )
     parser.add_argument(
         "--compile", action="store_true", help="torch.compile the DDP model"
     )
     parser.add_argument(
         "--profile-steps",
-        type=int,
+        type=at_least(0),
         default=0,
         metavar="N",
         help="write a torch.profiler trace of N steps of rank 0 to OUTPUT_DIR/profile",
@@ -113,6 +182,9 @@ def parse_args():
         metavar="{auto,never,PATH}",
         help="auto: continue from OUTPUT_DIR/checkpoint_last.pt when it exists",
     )
+
+
+def add_running_arguments(parser):
     parser.add_argument(
         "--backend",
         choices=("auto", "nccl", "gloo"),
@@ -121,10 +193,11 @@ def parse_args():
     )
     parser.add_argument(
         "--dist-timeout",
-        type=float,
+        type=positive,
         default=os.environ.get("DIST_TIMEOUT", "600"),
-        help="seconds to wait for peers at start-up and in every collective "
-        "(default: $DIST_TIMEOUT, else 600)",
+        help="seconds to wait for the other processes at start-up, and that a process "
+        "may go without progress before the job ends with a report of where each "
+        "one was (default: $DIST_TIMEOUT, else 600)",
     )
     parser.add_argument(
         "--preflight",
@@ -134,38 +207,56 @@ def parse_args():
 {% if spawn %}
     parser.add_argument(
         "--nproc-per-node",
-        type=int,
+        type=at_least(1),
         default=torch.cuda.device_count() or 2,
         help="processes on this machine (default: one per GPU, or 2 on CPU)",
     )
 {% if multi %}
-    parser.add_argument("--nnodes", type=int, default=1, help="machines taking part")
-    parser.add_argument("--node-rank", type=int, default=0, help="0 to nnodes - 1")
+    parser.add_argument(
+        "--nnodes", type=at_least(1), default=1, help="machines taking part"
+    )
+    parser.add_argument(
+        "--node-rank", type=at_least(0), default=0, help="0 to nnodes - 1"
+    )
     parser.add_argument("--master-addr", default="127.0.0.1", help="node 0's address")
     parser.add_argument(
         "--master-port",
-        type=int,
+        type=at_least(1, 65535),
         help="port on node 0 (default: a free port; 29500 when nnodes > 1)",
     )
 {% else %}
-    parser.add_argument("--master-port", type=int, help="default: a free port")
+    parser.add_argument(
+        "--master-port", type=at_least(1, 65535), help="default: a free port"
+    )
 {% endif %}
     # Accepted for torch.distributed.launch compatibility and ignored: workers get their
     # rank from mp.spawn.
 {% else %}
+    parser.add_argument(
+        "--torchrun",
+        metavar="OPTIONS",
+        help="run torchrun with these options in this process, to start the workers "
+        "(as the run scripts do)",
+    )
     # DDP change 1: torch.distributed.launch passes --local-rank=N; LOCAL_RANK from the
     # environment (set by torchrun and by torch.distributed.launch) is what counts.
 {% endif %}
     parser.add_argument("--local-rank", "--local_rank", help=argparse.SUPPRESS)
-    return parser.parse_args()
 
 
 # --------------------------------------------------------------------------------------
-# EDIT HERE: your data. Return (train_set, val_set), any map-style datasets.
+# EDIT HERE: the five functions that make this project yours. Replace their bodies with
+# your data, model, optimizer, loss and metrics; the rest of the file works unchanged.
 # --------------------------------------------------------------------------------------
+NUM_CLASSES = 10
+
+
 def build_datasets(args):
-    """A synthetic 10-class image task, identical on every rank for a given seed.
+    """Return (train_set, val_set): map-style datasets whose items DataLoader's default
+    collate can batch (tensors, or tuples, lists and dicts of them); a dataset with a
+    collate_fn attribute (e.g. to pad sequences) is batched with it.
 
+    Here a synthetic 10-class image task, identical on every rank for a given seed.
     For your own data, return e.g. torchvision.datasets.ImageFolder("data/train", ...)
     and ImageFolder("data/val", ...). Download data before launching, or on local rank 0
     followed by dist.barrier(), so processes don't write the same files at once.
@@ -181,10 +272,9 @@ def build_datasets(args):
     return make(args.train_size), make(args.val_size)
 
 
-# --------------------------------------------------------------------------------------
-# EDIT HERE: your model. Normalization layers are written inline, to swap in one place.
-# --------------------------------------------------------------------------------------
-def build_model():
+def build_model(args):
+    """Return the plain model (DDP wraps it later). Its normalization layers are
+    written inline, nn.BatchNorm2d(C), so they are easy to find and swap."""
     return nn.Sequential(
         nn.Conv2d(3, 32, 3, padding=1, bias=False),
         nn.BatchNorm2d(32),
@@ -198,17 +288,47 @@ def build_model():
     )
 
 
-# --------------------------------------------------------------------------------------
-# EDIT HERE: your loss and metric.
-# --------------------------------------------------------------------------------------
-def compute_loss(outputs, targets):
-    """Mean over the batch: DDP averages gradients over ranks, so W ranks x B samples
-    train exactly like one process with W*B samples."""
-    return F.cross_entropy(outputs, targets)
+def build_optimizer(model, args, total_updates):
+    """Return (optimizer, scheduler or None). The scheduler is stepped once per
+    optimizer update; total_updates counts the updates of the whole run (all --epochs).
+
+    Here SGD with momentum, and a learning rate that warms up linearly over the first
+    epoch (large global batches need it), then stays.
+    """
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4
+    )
+    warmup = max(1, total_updates // args.epochs)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda update: min(1.0, (update + 1) / warmup)
+    )
+    return optimizer, scheduler
 
 
-def count_correct(outputs, targets):
-    return (outputs.argmax(dim=1) == targets).sum()
+def compute_loss(model, batch):
+    """Return (loss, n): the training loss as a mean over the n units of this batch
+    (samples here; tokens for a language model, where sum / n.clamp(min=1) keeps a
+    batch of padding alone finite), and n, an int or a tensor.
+
+    `batch` is one DataLoader batch, already on the device, under autocast with --amp.
+    `model` is the DDP-wrapped model: call it, as here, and nothing else of it.
+    """
+    images, labels = batch
+    return F.cross_entropy(model(images), labels), len(labels)
+
+
+def compute_metrics(model, batch):
+    """Return {name: (sum, n)} for one validation batch; each metric is summed over all
+    batches and ranks and reported as val_<name> = sum / n. "loss" is required: it
+    is val_loss. `model` is the plain model, in eval mode, without grad.
+    """
+    images, labels = batch
+    logits = model(images)
+    n = len(labels)
+    return {
+        "loss": (F.cross_entropy(logits, labels, reduction="sum"), n),
+        "acc": ((logits.argmax(dim=1) == labels).sum(), n),
+    }
 
 
 # --------------------------------------------------------------------------------------
@@ -241,33 +361,51 @@ def setup_distributed(backend, timeout):
     if "RANK" not in os.environ:  # started without a launcher: a group of one
         store = dist.HashStore()
         dist.init_process_group(backend, store=store, rank=0, world_size=1)
-        return device
+        return device, store
 {% endif %}
     address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     try:
-        dist.init_process_group(backend, timeout=timeout)  # RANK, WORLD_SIZE, MASTER_*
-    except dist.DistError as err:  # every rank says why: each may be on its own machine
-        if "EADDRINUSE" in str(err):
-{% if spawn %}
-            sys.exit(f"error: port {address} is in use; choose another --master-port")
-{% else %}
-            sys.exit(f"error: port {address} is in use; choose another MASTER_PORT")
-{% endif %}
-        reason = str(err).strip().splitlines()[0]
-{% if multi %}
-        sys.exit(
-            f"error: rendezvous with {address} failed ({reason}); check MASTER_ADDR, "
-            "MASTER_PORT, NNODES, the firewall, and that every node was started"
+        # The rendezvous (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) gives a store the
+        # hang watch uses too. A collective may wait COLLECTIVE_GRACE longer than the
+        # timeout, so that the hang watch, which acts at the timeout, reports first.
+        store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout + timedelta(seconds=COLLECTIVE_GRACE),
         )
+    except dist.DistError as err:  # every rank says why: each may be on its own machine
+        sys.exit(rendezvous_failed(err, address))
+    return device, store
+
+
+def rendezvous_failed(err, address="node 0"):
+    """The one line for a rendezvous that failed: why, and what to check."""
+    reason = str(err).strip().splitlines()[0]
+    if "EADDRINUSE" in reason:
+{% if spawn %}
+        return f"error: port {address} is in use; choose another --master-port"
 {% else %}
-        sys.exit(f"error: rendezvous with {address} failed ({reason})")
+        return f"error: port {address} is in use; choose another MASTER_PORT"
 {% endif %}
-    return device
+{% if multi %}
+    return (
+        f"error: rendezvous with {address} failed ({reason}); check MASTER_ADDR, "
+        "MASTER_PORT, NNODES, the firewall, and that every node was started"
+    )
+{% else %}
+    return f"error: rendezvous with {address} failed ({reason})"
+{% endif %}
 
 
-def failure(message):
-    """The exit for a clear error: code 1, and rank 0 alone prints why, once."""
-    return SystemExit(message if os.environ.get("RANK", "0") == "0" else 1)
+def failure(message, status=1):
+    """The exit for a clear error: rank 0 alone prints why, once, and every rank exits
+    with `status` (2: an argument that cannot work)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(message, file=sys.stderr, flush=True)
+    return SystemExit(status)
 
 
 def print0(*args, **kwargs):
@@ -276,11 +414,16 @@ def print0(*args, **kwargs):
         print(*args, **kwargs, flush=True)
 
 
-def stop_requested(device):
-    """True on every rank once any rank has received SIGTERM: one tiny all-reduce."""
-    flag = torch.tensor(float(STOP.is_set()), device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return flag.item() > 0
+def to_device(batch, device):
+    """Move every tensor of a batch (a tensor, or tuples, lists and dicts of them)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):  # dict, or e.g. transformers' BatchEncoding
+        return {key: to_device(value, device) for key, value in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        moved = [to_device(value, device) for value in batch]
+        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
+    return batch
 
 
 class ResumableSampler(Sampler):
@@ -306,7 +449,7 @@ def build_loaders(train_set, val_set, args, device):
     common = {
         "num_workers": args.num_workers,
         "pin_memory": device.type == "cuda",
-        "persistent_workers": args.num_workers > 0,
+        "worker_init_fn": loader_worker_init,
     }
     # DDP change 2: each rank reads a different 1/world_size of the training set
     # (a single-GPU script would pass shuffle=True to the DataLoader instead).
@@ -314,36 +457,636 @@ def build_loaders(train_set, val_set, args, device):
     train_sampler = ResumableSampler(shard)
 {% if cookiecutter.use_batch_sampler %}
     batch_sampler = BatchSampler(train_sampler, args.batch_size, drop_last=False)
-    train_loader = DataLoader(train_set, batch_sampler=batch_sampler, **common)
+    train_loader = DataLoader(
+        train_set,
+        batch_sampler=batch_sampler,
+        collate_fn=getattr(train_set, "collate_fn", None),
+        **common,
+    )
 {% else %}
     train_loader = DataLoader(
-        train_set, batch_size=args.batch_size, sampler=train_sampler, **common
+        train_set,
+        batch_size=args.batch_size,
+        sampler=train_sampler,
+        collate_fn=getattr(train_set, "collate_fn", None),
+        **common,
     )
 {% endif %}
     # Validation shards take every world_size-th sample with no padding, so the summed
     # metrics count each sample exactly once (DistributedSampler would repeat some).
     val_shard = Subset(val_set, range(rank, len(val_set), world_size))
-    val_loader = DataLoader(val_shard, batch_size=args.batch_size, **common)
+    val_loader = DataLoader(
+        val_shard,
+        batch_size=args.batch_size,
+        collate_fn=getattr(val_set, "collate_fn", None),
+        **common,
+    )
     return train_sampler, train_loader, val_loader
+
+
+def loader_worker_init(worker_id):
+    """DataLoader workers keep serving batches on SIGTERM and Ctrl-C: the training
+    process stops at its next check, saves, and shuts them down itself. On Linux they
+    also die with it: a forked worker holds copies of its sockets, and left alive it
+    would keep the other ranks waiting for a rank that is gone."""
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, signal.SIG_IGN)
+    faulthandler.register(signal.SIGUSR1, all_threads=False)  # for the hang watch
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def broadcast_bytes(data, device):
+    """Rank 0's bytes, on every rank (None where rank 0 has None): a size, then the
+    bytes as a uint8 tensor. (all_gather_object and friends would need NumPy.)"""
+    size = torch.tensor(-1 if data is None else len(data), device=device)
+    dist.broadcast(size, src=0)
+    if size.item() < 0:
+        return None
+    buffer = bytearray(data) if dist.get_rank() == 0 else bytearray(size.item())
+    if buffer:
+        received = torch.frombuffer(buffer, dtype=torch.uint8).to(device)
+        dist.broadcast(received, src=0)
+        torch.frombuffer(buffer, dtype=torch.uint8).copy_(received)
+    return bytes(buffer)
+
+
+# --------------------------------------------------------------------------------------
+# Training
+# --------------------------------------------------------------------------------------
+@dataclass
+class Training:
+    """What the loop works with, built once by build_training()."""
+
+    args: argparse.Namespace
+    device: torch.device
+    model: nn.Module  # the plain model: evaluated and saved (DDP change 4)
+    ddp_model: DDP  # the same parameters in the DDP wrapper: trained (DDP change 3)
+    optimizer: torch.optim.Optimizer
+    scheduler: object  # an LR scheduler, or None
+    scaler: torch.amp.GradScaler
+    train_sampler: ResumableSampler
+    train_loader: DataLoader
+    val_loader: DataLoader
+    steps_per_epoch: int  # micro-batches per epoch and rank
+    total_updates: int  # optimizer updates in the whole run
+{% if strategy == "best" %}
+    best_val_loss: float = math.inf
+{% endif %}
+
+
+def train(args, device):
+    """Build, resume, train epoch by epoch, save. Returns the exit status: 0, or
+    128 + the signal (SIGTERM, Ctrl-C) that stopped it after saving a checkpoint."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    is_main = rank == 0
+    out_dir = Path(args.output_dir)
+    last_path = out_dir / "checkpoint_last.pt"
+    checkpoint = load_checkpoint(args.resume, last_path, device)
+    t = build_training(args, device, checkpoint)
+    start = resume(t, checkpoint, out_dir)
+    with Reports(t, out_dir) as reports:
+        for epoch in range(start.epoch, args.epochs):
+            first_step = start.step if epoch == start.epoch else 0  # > 0 mid-epoch
+            # DDP change 2: a new shuffle each epoch, the same on every rank. Without
+            # this call every epoch repeats the first epoch's order.
+{% if cookiecutter.use_batch_sampler %}
+            # (The BatchSampler draws from this same sampler, so it follows.)
+{% endif %}
+            t.train_sampler.set_epoch(epoch, start=first_step * args.batch_size)
+            # Per-rank randomness (dropout, augmentation): the same after a resume at
+            # an epoch boundary; after a mid-epoch stop, the rest of the epoch differs.
+            torch.manual_seed(args.seed + epoch * world_size + rank)
+            carried = start.sums if epoch == start.epoch else (0.0, 0.0)
+            result = train_epoch(t, epoch, first_step, carried, reports)
+            if result.stopped_at is not None:  # a stop signal: save where we are
+                if is_main:
+                    state = snapshot(t, epoch, result.stopped_at, result.sums)
+                    save_atomic(state, last_path)
+                where = f"in epoch {epoch + 1} after {result.stopped_at} steps"
+                return stopped(last_path, where)
+
+            # Evaluate the weights rank 0 saves: parameters match on every rank, but
+            # each rank keeps its own BatchNorm running statistics, so take rank 0's.
+            # Use the plain model: DDP's forward would wait for ranks with more
+            # validation batches.
+            for buffer in t.model.buffers():
+                dist.broadcast(buffer, src=0)
+            metrics = evaluate(t.model, t.val_loader, device)
+            if is_main:
+                reports.epoch_done(epoch, result, metrics)
+{% if strategy == "best" %}
+                improved = metrics["loss"] < t.best_val_loss
+                t.best_val_loss = min(t.best_val_loss, metrics["loss"])
+{% endif %}
+{% if strategy != "final_only" %}
+                # DDP change 4: rank 0 alone saves.
+                state = snapshot(t, epoch + 1)
+                save_atomic(state, last_path)
+{% endif %}
+{% if strategy == "best" %}
+                if improved:
+                    save_atomic(state, out_dir / "checkpoint_best.pt")
+{% elif strategy == "every_epoch" %}
+                save_atomic(state, out_dir / f"checkpoint_epoch{epoch + 1:03d}.pt")
+{% endif %}
+            if result.stop and epoch + 1 < args.epochs:
+{% if strategy == "final_only" %}
+                if is_main:
+                    save_atomic(snapshot(t, epoch + 1), last_path)
+{% endif %}
+                return stopped(last_path, f"after epoch {epoch + 1}")
+    if is_main:
+        # DDP change 4: the plain model's weights (not the DDP wrapper's), saved once.
+        save_atomic(t.model.state_dict(), out_dir / "model_final.pt")
+        plotted = plot_losses(out_dir / "metrics.csv", out_dir / "loss.png")
+        report_outputs(out_dir, plotted, args.tensorboard)
+    return 0
+
+
+def build_training(args, device, checkpoint):
+    """Data, model, DDP wrapper, optimizer and loss scaler, as build_* say."""
+    world_size = dist.get_world_size()
+    settle_global_batch(args, checkpoint, world_size)
+    torch.manual_seed(args.seed)  # reproducible initial weights and data
+    train_set, val_set = build_datasets(args)
+    train_sampler, train_loader, val_loader = build_loaders(
+        train_set, val_set, args, device
+    )
+    model = build_model(args)
+{% if cookiecutter.sync_bn %}
+    if device.type == "cuda":
+        # DDP change 3a: BatchNorm statistics over the global batch, not per rank.
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    else:
+        print0(
+            "warning: SyncBatchNorm runs on GPUs only; training with BatchNorm on CPU",
+            file=sys.stderr,
+        )
+{% endif %}
+    memory_format = torch.preserve_format
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True  # fastest kernels for fixed shapes
+        # NHWC weights for 2-D convolutions (which convert their input to match);
+        # models with 5-D weights (3-D convolutions) keep their layout.
+        if CHANNELS_LAST and all(p.dim() < 5 for p in model.parameters()):
+            memory_format = torch.channels_last
+    model.to(device, memory_format=memory_format)
+    steps_per_epoch = len(train_loader)  # micro-batches; --grad-accum per update
+    total_updates = args.epochs * math.ceil(steps_per_epoch / args.grad_accum)
+    optimizer, scheduler = build_optimizer(model, args, total_updates)
+    # float16 needs loss scaling against underflowing gradients; otherwise a no-op.
+    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
+
+    # DDP change 3: wrap the model. Its backward pass averages gradients over all ranks,
+    # so every replica takes the same optimizer step. Train through ddp_model; save
+    # and evaluate the plain model, whose parameters ddp_model trains.
+    device_ids = [device.index] if device.type == "cuda" else None
+    # torch.compile inside DDP: the compiled graph is split at DDP's gradient buckets,
+    # so the all-reduce still overlaps with the backward pass.
+    ddp_model = DDP(
+        torch.compile(model) if args.compile else model,
+        device_ids=device_ids,
+        gradient_as_bucket_view=True,
+    )
+    return Training(
+        args,
+        device,
+        model,
+        ddp_model,
+        optimizer,
+        scheduler,
+        scaler,
+        train_sampler,
+        train_loader,
+        val_loader,
+        steps_per_epoch,
+        total_updates,
+    )
+
+
+def settle_global_batch(args, checkpoint, world_size):
+    """Set args.grad_accum. A resumed run keeps the checkpoint's global batch (processes
+    x batch x grad-accum), whatever its number of processes: then every update trains
+    on the same samples as before, in the same order. It derives the grad-accum that
+    does so, or refuses in one line unless --allow-batch-change."""
+    if checkpoint is None:
+        args.grad_accum = args.grad_accum or 1
+        return
+    old = checkpoint["global_batch"]  # [processes, batch, grad-accum]
+    target, per_update = math.prod(old), world_size * args.batch_size
+    if args.grad_accum is None:
+        args.grad_accum = max(1, target // per_update)
+    new = [world_size, args.batch_size, args.grad_accum]
+    if math.prod(new) != target and not args.allow_batch_change:
+        if target % world_size:
+            hint = f"use a number of processes that divides {target}"
+        else:
+            hint = f"e.g. --batch-size {target // world_size} --grad-accum 1"
+        raise failure(
+            f"error: the checkpoint's global batch is {target} ({describe(old)}); "
+            f"{describe(new)} make {math.prod(new)}: {hint}, or pass "
+            f"--allow-batch-change to go on with {math.prod(new)}",
+            status=2,
+        )
+    if new != old:
+        kept = "kept" if math.prod(new) == target else f"changed from {target}"
+        print0(
+            f"resume: global batch {math.prod(new)} {kept}: {describe(new)} "
+            f"(the checkpoint had {describe(old)})"
+        )
+
+
+def describe(global_batch):
+    processes, batch, accum = global_batch
+    noun = "process" if processes == 1 else "processes"
+    return f"{processes} {noun} x batch {batch} x grad-accum {accum}"
+
+
+@dataclass
+class Start:
+    """Where training starts: after `epoch` epochs and `step` steps into the next."""
+
+    epoch: int = 0
+    step: int = 0  # > 0 after a mid-epoch stop
+    sums: tuple = (0.0, 0.0)  # loss sum and units of those steps, all ranks
+
+
+def resume(t, checkpoint, out_dir):
+    """Restore the state a checkpoint holds, and trim metrics.csv to its epochs."""
+    if checkpoint is None:
+        start = Start()
+    else:
+        try:
+            t.model.load_state_dict(checkpoint["model"])
+        except RuntimeError as err:  # build_model() changed since it was saved
+            reason = str(err).strip().splitlines()[-1].strip()
+            raise failure(
+                f"error: {checkpoint['path']} does not fit the model build_model() "
+                f"makes ({reason}); start afresh with --resume never or another "
+                "--output-dir"
+            ) from err
+        t.scaler.load_state_dict(checkpoint["scaler"])
+        # The position in global samples, read with this run's processes and batch.
+        per_step = dist.get_world_size() * t.args.batch_size
+        step, extra = divmod(checkpoint["epoch_samples"], per_step)
+        if extra:
+            print0(f"resume: {extra} samples of this epoch are trained again")
+        start = Start(checkpoint["epoch"], step, tuple(checkpoint["train_sums"]))
+{% if strategy == "best" %}
+        t.best_val_loss = checkpoint.get("best_val_loss", math.inf)
+{% endif %}
+        restore_schedule(t, checkpoint, start)
+        where = f"after epoch {start.epoch}"
+        if start.step:
+            where = f"in epoch {start.epoch + 1} after {start.step} steps"
+        print0(f"resumed from {checkpoint['path']} {where}")
+        if start.epoch >= t.args.epochs:
+            print0(
+                f"resume: all {start.epoch} epochs are done, nothing to train; a "
+                "larger --epochs goes on, --resume never starts afresh"
+            )
+    if dist.get_rank() == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        start_metrics(out_dir / "metrics.csv", start.epoch)
+    return start
+
+
+def restore_schedule(t, checkpoint, start):
+    """The optimizer's state and the LR schedule. A run whose --epochs, --lr or global
+    batch changed gets the schedule a run with its arguments would have followed from
+    the start, at the update it has reached, and one line saying so."""
+    args, saved = t.args, checkpoint["args"]
+    # A schedule counts updates: its length and the samples per update (the global
+    # batch) place a run on it. Without a scheduler, only the LR matters.
+    global_batch = dist.get_world_size() * args.batch_size * args.grad_accum
+    was = checkpoint["total_updates"], math.prod(checkpoint["global_batch"])
+    same_length = was == (t.total_updates, global_batch)
+    if saved["lr"] == args.lr and (same_length or not t.scheduler):
+        t.optimizer.load_state_dict(checkpoint["optimizer"])
+        if t.scheduler:
+            t.scheduler.load_state_dict(checkpoint["scheduler"])
+        return
+    # Keep the optimizer's statistics (momentum, Adam moments); take the new settings.
+    fresh = t.optimizer.state_dict()["param_groups"]
+    t.optimizer.load_state_dict(
+        {"state": checkpoint["optimizer"]["state"], "param_groups": fresh}
+    )
+    per_epoch = t.total_updates // args.epochs
+    done = start.epoch * per_epoch + start.step // args.grad_accum
+    if t.scheduler:
+        with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()"
+            warnings.simplefilter("ignore")
+            for _ in range(min(done, t.total_updates)):
+                t.scheduler.step()
+    lr = t.optimizer.param_groups[0]["lr"]
+    print0(
+        f"resume: the LR schedule is rebuilt for --lr {args.lr}, {t.total_updates} "
+        f"updates of {global_batch} samples (the checkpoint's: --lr {saved['lr']}, "
+        f"{was[0]} updates of {was[1]}); continuing at update {done}, LR {lr:.6g}"
+    )
+
+
+@dataclass
+class EpochResult:
+    sums: tuple  # loss sum and units over all ranks, steps before a resume included
+    samples: int  # global samples trained in this run's part of the epoch
+    began: float  # time.perf_counter() at its start
+    seconds: float  # training time
+    stopped_at: int  # the steps done, when a stop signal cut the epoch short; or None
+    stop: bool  # a stop signal arrived: stop after this epoch
+
+
+def train_epoch(t, epoch, first_step, carried, reports):
+    """Train on this rank's shard of the epoch, from first_step: forward, backward, and
+    every --grad-accum micro-batches an optimizer update."""
+    args, device = t.args, t.device
+    t.ddp_model.train()
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    # The sums carried over a mid-epoch stop are totals over all ranks: rank 0 adds
+    # them, once.
+    sums = LossSums(device, carried if rank == 0 else (0.0, 0.0), first_step, args)
+    begin, stopped_at = time.perf_counter(), None
+    for step, batch in reports.batches(t.train_loader, first_step, epoch):
+        batch = to_device(batch, device)
+        last = (step + 1) % args.grad_accum == 0 or step + 1 == t.steps_per_epoch
+        # DDP change 3: the gradient all-reduce runs in the backward pass of the last
+        # micro-batch of each update only; no_sync() skips it for the others.
+        with contextlib.nullcontext() if last else t.ddp_model.no_sync():
+            with torch.autocast(device.type, AMP_DTYPES[args.amp], args.amp != "none"):
+                loss, n = compute_loss(t.ddp_model, batch)
+            # The loss summed over the batch's n units, at the usual scale (n / batch
+            # size is 1 for a per-sample loss); update() divides by the global units.
+            t.scaler.scale(loss * (n / args.batch_size)).backward()
+        sums.add(loss, n)
+        if last:
+            update(t, sums.take_group_units())
+            if (step + 1) // args.grad_accum % LOG_EVERY == 0 and check(
+                t, sums, epoch, reports
+            ):
+                stopped_at = step + 1
+                break
+    stop = check(t, sums, epoch, reports)  # the steps since the last check
+    took = time.perf_counter() - begin  # after check(), which waits for the GPU
+    totals = torch.stack([sums.loss, sums.units])
+    dist.all_reduce(totals)
+    steps = (stopped_at or t.steps_per_epoch) - first_step
+    samples = min(steps * args.batch_size, len(t.train_sampler)) * world_size
+    sums = tuple(totals.tolist())
+    return EpochResult(sums, samples, begin, took, stopped_at, stop)
+
+
+class LossSums:
+    """This rank's training loss, summed over units, and the units, on the device (no
+    sync per step); the units of the update being accumulated; and the losses since
+    the last check(), to name the step where one stopped being finite."""
+
+    def __init__(self, device, carried, first_step, args):
+        self.loss = torch.tensor(carried[0], dtype=torch.float64, device=device)
+        self.units = torch.tensor(carried[1], dtype=torch.float64, device=device)
+        self.group = torch.zeros((), dtype=torch.float64, device=device)
+        self.recent = torch.zeros(LOG_EVERY * args.grad_accum, device=device)
+        self.count, self.next_step = 0, first_step  # losses in recent; their step
+
+    def add(self, loss, n):
+        loss = loss.detach()
+        self.loss += loss.double() * n
+        self.units += n
+        self.group += n
+        self.recent[self.count] = loss
+        self.count += 1
+
+    def take_group_units(self):
+        units, self.group = self.group, torch.zeros_like(self.group)
+        return units
+
+
+def update(t, units):
+    """One optimizer update, after the backward pass of the last micro-batch (whose
+    all-reduce, DDP change 3, averaged the gradients over the ranks)."""
+    args = t.args
+    # The gradients are of loss sums, averaged over ranks: divide them by the mean
+    # units per rank, so that every update follows the mean loss over all units of
+    # the global batch, for any number of processes and --grad-accum.
+    dist.all_reduce(units)
+    t.scaler.unscale_(t.optimizer)  # --amp fp16: the true gradients, for clipping
+    grads = [p.grad for p in t.model.parameters() if p.grad is not None]
+    torch._foreach_mul_(grads, args.batch_size * dist.get_world_size() / units)
+    if args.clip_grad_norm:
+        nn.utils.clip_grad_norm_(t.model.parameters(), args.clip_grad_norm)
+    t.scaler.step(t.optimizer)  # skipped when fp16 gradients overflowed
+    t.scaler.update()
+    t.optimizer.zero_grad(set_to_none=True)
+    if t.scheduler:
+        t.scheduler.step()
+
+
+def check(t, sums, epoch, reports):
+    """The loop's one wait for the device, every LOG_EVERY updates and at the end of
+    the epoch: every rank learns whether any rank got SIGTERM (returns True), or saw
+    a loss or weights that are not finite (then the run stops, saving nothing)."""
+    recent = sums.recent[: sums.count]
+    finite = torch.isfinite(recent).all() & all_finite(t.model.parameters())
+    flags = torch.stack([torch.tensor(STOP_SIGNAL is not None), ~finite.cpu()])
+    flags = flags.double().to(t.device)
+    dist.all_reduce(flags)
+    stop, diverged = flags.tolist()
+    if diverged:
+        raise diverged_failure(recent, sums.next_step, epoch, t.device)
+    if len(recent):
+        reports.show_loss(recent.mean())
+    sums.next_step += sums.count
+    sums.count = 0
+    return stop > 0
+
+
+def all_finite(tensors):
+    return torch.stack([tensor.isfinite().all() for tensor in tensors]).all()
+
+
+def diverged_failure(recent, first_step, epoch, device):
+    """The error for a loss or weights that stopped being finite: the first such step
+    over all ranks, with its rank and value."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    bad = (~torch.isfinite(recent)).nonzero().flatten().tolist()
+    first = (first_step + bad[0]) * world_size + rank if bad else math.inf
+    first = torch.tensor(float(first), dtype=torch.float64, device=device)
+    dist.all_reduce(first, op=dist.ReduceOp.MIN)
+    if not math.isfinite(first.item()):
+        where = f"the weights stopped being finite in epoch {epoch + 1}"
+    else:
+        step, bad_rank = divmod(int(first.item()), world_size)
+        value = recent[step - first_step] if bad_rank == rank else torch.zeros(())
+        value = value.to(device)
+        dist.broadcast(value, src=bad_rank)
+        where = (
+            f"the loss is {value.item()} in epoch {epoch + 1} at step {step + 1} "
+            f"(rank {bad_rank})"
+        )
+    return failure(
+        f"error: {where}; stopped without saving it. Try a lower --lr, "
+        "--clip-grad-norm 1.0, or --amp bf16 instead of fp16"
+    )
+
+
+def stopped(last_path, where):
+    """After the checkpoint a stop signal asked for: one line, and the exit status."""
+    # The signal this rank got; a rank stopped by another's signal reports SIGTERM.
+    signum = STOP_SIGNAL or signal.SIGTERM
+    word = "interrupted" if signum == signal.SIGINT else "preempted"
+    print0(f"{word}: saved {last_path} {where}; run again to resume (--resume auto)")
+    return 128 + signum
 
 
 @torch.no_grad()
 def evaluate(model, loader, device):
-    """Loss and accuracy over the whole validation set, exact for any world size."""
+    """compute_metrics over the whole validation set, exact for any world size: each
+    metric's sum and n are added up over batches and ranks, then divided."""
     model.eval()
-    # Sums of loss, correct predictions and samples, in float64 for exact counts.
-    totals = torch.zeros(3, dtype=torch.float64, device=device)
-    for images, targets in loader:
-        images = images.to(device, non_blocking=True)
-        targets = targets.to(device, non_blocking=True)
-        outputs = model(images)
-        totals[0] += compute_loss(outputs, targets).double() * len(targets)
-        totals[1] += count_correct(outputs, targets)
-        totals[2] += len(targets)
-    dist.all_reduce(totals)  # sum over ranks
+    sums = {}  # name -> float64 [sum, n] on the device
+    for batch in loader:
+        WATCH.beat()
+        metrics = compute_metrics(model, to_device(batch, device))
+        for name, (total, n) in metrics.items():
+            pair = sums.setdefault(name, torch.zeros(2, dtype=torch.float64).to(device))
+            pair[0] += total
+            pair[1] += n
     model.train()
-    loss_sum, correct, samples = totals.tolist()
-    return loss_sum / samples, correct / samples
+    # Rank 0 always has validation data; a rank without any takes its names.
+    names = broadcast_bytes("\n".join(sums).encode(), device).decode().split("\n")
+    if "loss" not in names:
+        raise failure("error: compute_metrics must return a 'loss' entry")
+    zero = torch.zeros(2, dtype=torch.float64).to(device)
+    totals = torch.stack([sums.get(name, zero) for name in names])
+    dist.all_reduce(totals)  # sum over ranks
+    return {name: s / n for name, (s, n) in zip(names, totals.tolist(), strict=True)}
+
+
+class Reports:
+    """Everything a run reports besides the training itself: the progress bar, where
+    the time goes, the profiler, metrics.csv, TensorBoard and the line per epoch. Every
+    rank times its own steps; rank 0 alone shows and writes."""
+
+    def __init__(self, t, out_dir):
+        self.t, self.out_dir = t, out_dir
+        self.is_main = dist.get_rank() == 0
+        self.progress = self.profiler = self.writer = None
+        self.data_s, self.steps, self.updates = 0.0, [], []
+        if t.args.tensorboard:
+            try:
+                import torch.utils.tensorboard  # noqa: F401 (optional: imported here)
+            except ImportError as err:
+                raise failure(
+                    "error: --tensorboard needs TensorBoard: pip install tensorboard"
+                ) from err
+
+        # Optimizer steps are timed by hooks, so the loop carries no timing code.
+        def begin(*_):
+            self.began = self.mark()
+
+        def end(*_):
+            self.updates.append((self.began, self.mark()))
+
+        self.hooks = [
+            t.optimizer.register_step_pre_hook(begin),
+            t.optimizer.register_step_post_hook(end),
+        ]
+
+    def __enter__(self):
+        args = self.t.args
+        if self.is_main and args.profile_steps:
+            self.profiler = torch.profiler.profile(
+                schedule=torch.profiler.schedule(
+                    wait=1, warmup=1, active=args.profile_steps, repeat=1
+                ),
+                on_trace_ready=torch.profiler.tensorboard_trace_handler(
+                    str(self.out_dir / "profile")
+                ),
+            )
+            self.profiler.start()
+        if self.is_main and args.tensorboard:
+            self.writer = torch.utils.tensorboard.SummaryWriter(
+                self.out_dir / "tensorboard"
+            )
+        return self
+
+    def __exit__(self, *exc):
+        for hook in self.hooks:  # they refer to self: let the training state go
+            hook.remove()
+        if self.profiler:
+            self.profiler.stop()  # writes the trace if the run had fewer steps
+        if self.writer:
+            self.writer.close()
+
+    def mark(self):
+        """A point in time; on GPU, an event queued on the stream: no wait for it."""
+        if self.t.device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def batches(self, loader, first_step, epoch):
+        """enumerate(loader, start=first_step), timed: the wait for each batch, and
+        each step from its batch to the next request."""
+        self.data_s, self.steps, self.updates = 0.0, [], []
+        self.progress = tqdm(
+            total=self.t.steps_per_epoch,
+            initial=first_step,
+            desc=f"epoch {epoch + 1}/{self.t.args.epochs}",
+            leave=False,
+            disable=not (self.is_main and sys.stderr.isatty()),
+        )
+        batches = iter(loader)
+        for step in itertools.count(first_step):
+            tick = time.perf_counter()
+            batch = next(batches, None)
+            self.data_s += time.perf_counter() - tick
+            if batch is None:
+                break
+            begin = self.mark()
+            WATCH.beat()
+            yield step, batch
+            self.steps.append((begin, self.mark()))
+            self.progress.update()
+            if self.profiler:
+                self.profiler.step()
+        self.progress.close()
+
+    def show_loss(self, loss):
+        if not self.progress.disable:
+            self.progress.set_postfix(loss=f"{loss.item():.4f}")
+
+    def epoch_done(self, epoch, result, metrics):
+        """Rank 0: the epoch's row in metrics.csv (and TensorBoard), and one line."""
+        if self.t.device.type == "cuda":
+            torch.cuda.synchronize()  # the events above have all happened
+        step_s = sum(seconds(a, b) for a, b in self.steps)
+        optimizer_s = sum(seconds(a, b) for a, b in self.updates)
+        loss_sum, units = result.sums
+        row = {"epoch": epoch + 1, "train_loss": loss_sum / units}
+        row |= {f"val_{name}": value for name, value in metrics.items()}
+        row |= {
+            "lr": self.t.optimizer.param_groups[0]["lr"],
+            "samples_per_s": result.samples / result.seconds,
+            "epoch_s": time.perf_counter() - result.began,
+            "data_s": self.data_s,
+            "compute_s": step_s - optimizer_s,
+            "optimizer_s": optimizer_s,
+        }
+        append_metrics(self.out_dir / "metrics.csv", row)
+        if self.writer:
+            for key, value in row.items():
+                self.writer.add_scalar(key, value, epoch + 1)
+        summary = "  ".join(f"{key} {value:.6g}" for key, value in row.items())
+        summary = summary.partition("  ")[2]  # all but the epoch
+        print(f"epoch {epoch + 1}/{self.t.args.epochs}  {summary}", flush=True)
+
+
+def seconds(begin, end):
+    if isinstance(begin, float):
+        return end - begin
+    return begin.elapsed_time(end) / 1000  # call after torch.cuda.synchronize()
 
 
 def preflight(device, backend):
@@ -362,9 +1105,9 @@ def preflight(device, backend):
         dist.all_reduce(payload)
     if device.type == "cuda":
         torch.cuda.synchronize()
-    seconds = (time.perf_counter() - start) / repeats
+    each = (time.perf_counter() - start) / repeats
     # Bus bandwidth, as nccl-tests reports it: what each link carries in a ring.
-    gb_per_s = payload.numel() * 4 * 2 * (world_size - 1) / world_size / seconds / 1e9
+    gb_per_s = payload.numel() * 4 * 2 * (world_size - 1) / world_size / each / 1e9
     label = str(device)
     if device.type == "cuda":
         label += f" {torch.cuda.get_device_name(device)}"
@@ -381,24 +1124,37 @@ def preflight(device, backend):
     print0("\n".join(rows))
 
 
-def mark(device):
-    """A point in time. On GPU, an event queued on the stream: no wait for the GPU."""
-    if device.type != "cuda":
-        return time.perf_counter()
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()
-    return event
-
-
-def seconds(begin, end):
-    if isinstance(begin, float):
-        return end - begin
-    return begin.elapsed_time(end) / 1000  # call after torch.cuda.synchronize()
-
-
 # --------------------------------------------------------------------------------------
 # Checkpoints and metrics (rank 0 writes; every rank reads through rank 0)
 # --------------------------------------------------------------------------------------
+def snapshot(t, epoch, step=0, sums=(0.0, 0.0)):
+    """Everything a resume needs: the state after `epoch` epochs and `step` steps."""
+    args, world_size = t.args, dist.get_world_size()
+    return {
+        # DDP change 4: the plain model (ddp_model.module, not the DDP wrapper), so
+        # the weights load without DDP and without a "module." prefix in their keys.
+        "model": t.model.state_dict(),
+        "optimizer": t.optimizer.state_dict(),
+        "scheduler": t.scheduler.state_dict() if t.scheduler else None,
+        "scaler": t.scaler.state_dict(),
+        "epoch": epoch,  # epochs done
+        "epoch_samples": step * args.batch_size * world_size,  # into the next one
+        "train_sums": list(sums),  # loss sum and units of those samples
+        "global_batch": [world_size, args.batch_size, args.grad_accum],
+        "total_updates": t.total_updates,
+{% if strategy == "best" %}
+        "best_val_loss": t.best_val_loss,
+{% endif %}
+        "args": {key: plain(value) for key, value in vars(args).items()},
+    }
+
+
+def plain(value):
+    """A value weights_only=True loads: a Path (say, from a flag you add) as text."""
+    simple = isinstance(value, (bool, int, float, str, type(None)))
+    return value if simple else str(value)
+
+
 def save_atomic(obj, path):
     """Write a temporary file, then rename it: a crash mid-write keeps the old file."""
     tmp = path.with_name(path.name + ".tmp")
@@ -416,67 +1172,82 @@ def load_checkpoint(resume, last_path, device):
     share a disk; each rank then loads them with weights_only=True.
     """
     path = last_path if resume == "auto" else Path(resume)
-    data, error = b"", None
+    data, error = None, None
     wanted = resume != "never" and (resume != "auto" or path.exists())
     if dist.get_rank() == 0 and wanted:
         try:
             data = path.read_bytes()
         except OSError as err:
             error = f"error: cannot resume from {path}: {err.strerror or err}"
-    size = torch.tensor(-1 if error else len(data), device=device)
-    dist.broadcast(size, src=0)  # -1: rank 0 failed, 0: nothing to resume from
-    if size.item() < 0:
+    failed = torch.tensor(float(error is not None), device=device)
+    dist.broadcast(failed, src=0)
+    if failed.item():
         raise failure(error)
-    if size.item() == 0:
+    data = broadcast_bytes(data, device)
+    if data is None:
         return None
-    buffer = bytearray(data) if data else bytearray(size.item())
-    received = torch.frombuffer(buffer, dtype=torch.uint8).to(device)
-    dist.broadcast(received, src=0)
-    torch.frombuffer(buffer, dtype=torch.uint8).copy_(received)
     try:
         # weights_only=True: a checkpoint is data; never run code from a pickle.
-        checkpoint = torch.load(
-            io.BytesIO(buffer), map_location="cpu", weights_only=True
-        )
-        if not {"model", "optimizer", "epoch"} <= set(checkpoint):
-            raise ValueError("no model, optimizer and epoch keys")
-    except UnpicklingError as err:
-        message = f"error: cannot resume from {path}: refused by weights_only=True"
-        raise failure(message) from err
+        checkpoint = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        if not {"model", "optimizer", "epoch", "global_batch"} <= set(checkpoint):
+            raise ValueError("no model, optimizer, epoch and global_batch keys")
     except Exception as err:  # torch.load raises many kinds on a corrupt file
-        reason = (str(err).strip() or type(err).__name__).splitlines()[0]
-        message = f"error: cannot resume from {path}: not a checkpoint ({reason})"
-        raise failure(message) from err
+        lines = [line for line in str(err).splitlines() if line.strip()] or [repr(err)]
+        # weights_only says why in one of its lines: "unsupported GLOBAL posix.system"
+        # (a pickle that would run code: refused), or "Unsupported operand" (no pickle).
+        says = ("GLOBAL" in line or line.startswith("Unsupported") for line in lines)
+        cause = next((line for line, why in zip(lines, says) if why), lines[0])
+        if "GLOBAL" in cause:
+            message = f"refused by weights_only=True ({cause.rstrip('.')})"
+        else:
+            message = f"not a checkpoint ({cause.rstrip('.')})"
+        raise failure(f"error: cannot resume from {path}: {message}") from err
     return checkpoint | {"path": str(path)}
 
 
 def start_metrics(path, done):
     """Keep the rows of epochs already done (none on a fresh start); drop the rest."""
-    rows = []
-    if done and path.exists():
-        with path.open(newline="") as f:
-            rows = [row for row in csv.DictReader(f) if int(row["epoch"]) <= done]
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, METRICS, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
+    rows = read_metrics(path) if done else []
+    write_metrics(path, [row for row in rows if int(row["epoch"]) <= done])
 
 
 def append_metrics(path, row):
-    with path.open("a", newline="") as f:
-        csv.DictWriter(f, METRICS).writerow(row)
+    """Add a row; a column new in it (a metric added on resume) joins the header."""
+    write_metrics(path, [*read_metrics(path), row])
+
+
+def read_metrics(path):
+    if not path.exists():
+        return []
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def write_metrics(path, rows):
+    """Rewrite metrics.csv whole (a row per epoch: small), atomically."""
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", newline="") as f:
+        writer = csv.DictWriter(f, columns)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({key: text(value) for key, value in row.items()})
+    os.replace(tmp, path)
+
+
+def text(value):
+    return f"{value:.8g}" if isinstance(value, float) else str(value)
 
 
 def plot_losses(metrics_path, png_path):
-    """Train and validation loss per epoch, when matplotlib is installed."""
+    """Train and validation loss per epoch; False when matplotlib is not installed."""
     try:
         import matplotlib  # optional: imported only here
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print(f"no {png_path.name}: pip install matplotlib to plot the losses")
-        return
+        return False
     with metrics_path.open(newline="") as f:
         rows = list(csv.DictReader(f))
     epochs = [int(row["epoch"]) for row in rows]
@@ -489,278 +1260,225 @@ def plot_losses(metrics_path, png_path):
     figure.tight_layout()
     figure.savefig(png_path)
     plt.close(figure)
-    print(f"saved {png_path}", flush=True)
+    return True
 
 
-# --------------------------------------------------------------------------------------
-# Training
-# --------------------------------------------------------------------------------------
-def train(args, device):
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    is_main = rank == 0
-    out_dir = Path(args.output_dir)
-    if is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-
-    if args.tensorboard:
-        try:
-            from torch.utils.tensorboard import SummaryWriter  # optional dependency
-        except ImportError as err:
-            message = "error: --tensorboard needs TensorBoard: pip install tensorboard"
-            raise failure(message) from err
-    torch.manual_seed(args.seed)  # same data and initial weights on every rank
-    train_set, val_set = build_datasets(args)
-    train_sampler, train_loader, val_loader = build_loaders(
-        train_set, val_set, args, device
-    )
-    model = build_model()
-{% if cookiecutter.sync_bn %}
-    if device.type == "cuda":
-        # DDP change 3a: BatchNorm statistics over the global batch, not per rank.
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+def report_outputs(out_dir, plotted, tensorboard):
+    """One line at the end: where the results are, and how to look at them."""
+    parts = [f"weights {out_dir / 'model_final.pt'}"]
+    parts.append(f"metrics {out_dir / 'metrics.csv'}")
+    if plotted:
+        parts.append(f"plot {out_dir / 'loss.png'}")
     else:
-        print0(
-            "warning: SyncBatchNorm runs on GPUs only; training with BatchNorm on CPU",
+        parts[-1] += " (pip install matplotlib for a plot)"
+    if tensorboard:
+        parts.append(f"view: tensorboard --logdir {out_dir / 'tensorboard'}")
+    print("done: " + ", ".join(parts), flush=True)
+
+
+# --------------------------------------------------------------------------------------
+# When a rank hangs, or another one is lost: say which rank, and where
+# --------------------------------------------------------------------------------------
+# What each rank is doing when the job stalls, as the summary says it.
+WAITS = "waits for the other ranks"
+LOADER = "waits for its DataLoader workers"
+# Where in torch a stack waits for the other ranks: collectives, DDP's forward (it
+# broadcasts buffers) and the backward pass (whose hooks all-reduce gradients).
+COLLECTIVES = ("torch/distributed/", "torch/nn/parallel/", "torch/autograd/")
+# This file's functions that wait for the GPU (.item(), .tolist()) right after a
+# collective: with NCCL, a rank waiting for the others stops there.
+HOST_SYNCS = {"check", "train_epoch", "evaluate", "broadcast_bytes", "preflight"}
+# How gloo says that another rank went away (in plain RuntimeErrors).
+LOST = ("closed by peer", "reset by peer", "Timed out waiting", "caused pair closure")
+
+
+class HangWatch:
+    """A thread in every process that ends the job once the process has made no
+    progress for --dist-timeout seconds, instead of letting the others wait in a
+    collective until they time out with an error that names only themselves. Every
+    rank then prints its stack (all threads, and its DataLoader workers'), each line
+    starting with [rank N]; one rank prints where each rank stood; all exit 1.
+
+    Progress is a training or evaluation step (beat), or, between steps (a first
+    step's torch.compile, a long save), a change of the main thread's line. The ranks
+    agree through the rendezvous store, with no collective: theirs may be stuck.
+    """
+
+    def __init__(self):
+        self.beats, self.done, self.reporting = 0, threading.Event(), False
+
+    def beat(self):
+        self.beats += 1
+
+    def start(self, store, timeout):
+        self.store, self.timeout = store, timeout
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # fresh keys
+        self.prefix = f"hang/{restart}/"
+        self.thread = threading.Thread(target=self.watch, name="hang watch")
+        self.thread.daemon = True
+        self.thread.start()
+
+    def key(self, name):
+        return self.prefix + name
+
+    def stop(self):
+        self.done.set()
+        self.thread.join()
+        faulthandler.cancel_dump_traceback_later()
+
+    def watch(self):
+        last, since = None, time.monotonic()
+        while not self.done.wait(1.0):
+            # If this thread cannot run (a C call holding the GIL), faulthandler
+            # prints every thread's stack and ends the process in its place.
+            faulthandler.dump_traceback_later(self.timeout + 30, exit=True)
+            now = (self.beats, main_line())
+            if now != last:
+                last, since = now, time.monotonic()
+            elif time.monotonic() - since > self.timeout:
+                self.store.set(self.key("declared"), str(self.rank))
+            if self.store.check([self.key("declared")]):
+                return self.report()
+
+    def report(self):
+        """Print this rank's stack, say where it stands, and end the job. Rank 0
+        summarizes, and leaves last: it may hold the store the others use."""
+        self.reporting = True
+        where, kind = locate(sys._current_frames()[threading.main_thread().ident])
+        print_stacks(self.rank, loader_workers=kind == LOADER)
+        try:
+            self.store.set(self.key(f"where/{self.rank}"), f"{kind}\t{where}")
+            self.count("reported", 1)
+            if self.rank == 0:
+                self.wait_for(lambda: self.count("reported") == self.world_size)
+                self.summarize()
+                self.store.set(self.key("summarized"), "1")
+                self.wait_for(lambda: self.count("left") == self.world_size - 1, 5)
+            else:
+                self.wait_for(lambda: self.store.check([self.key("summarized")]), 15)
+                self.count("left", 1)
+        finally:
+            stop_now(1)
+
+    def count(self, name, add=0):
+        return self.store.add(self.key(name), add)
+
+    def wait_for(self, done, seconds=10):
+        deadline = time.monotonic() + seconds
+        while not done() and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+    def summarize(self):
+        """Where each rank stood, and which one the others are waiting for."""
+        lines, stuck = [], []
+        for rank in range(self.world_size):
+            key = self.key(f"where/{rank}")
+            if not self.store.check([key]):
+                lines.append(f"  rank {rank}: no answer (its Python is blocked)")
+                continue
+            kind, where = self.store.get(key).decode().split("\t")
+            lines.append(f"  rank {rank}: {where}  ({kind})")
+            if kind != WAITS:
+                stuck.append(str(rank))
+        if stuck:
+            who = ("rank " if len(stuck) == 1 else "ranks ") + ", ".join(stuck)
+            verdict = (
+                f"{who}: no progress outside a collective, while the others wait; "
+                f"see the lines above that start with [rank {stuck[0]}]."
+            )
+        else:
+            verdict = (
+                "every rank waits in a collective: not all in the same one (a rank "
+                "skipped or added one), or the network between them stalled."
+            )
+        print(
+            f"hang: no progress for {self.timeout:g} s (--dist-timeout); where each "
+            "rank stood:",
+            *lines,
+            verdict,
+            sep="\n",
             file=sys.stderr,
+            flush=True,
         )
-{% endif %}
-    memory_format = torch.preserve_format
-    if device.type == "cuda":
-        torch.backends.cudnn.benchmark = True  # fastest kernels for fixed shapes
-        if CHANNELS_LAST:
-            memory_format = torch.channels_last
-    model.to(device, memory_format=memory_format)
-    optimizer = torch.optim.SGD(
-        model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4
+
+
+WATCH = HangWatch()
+
+
+def main_line():
+    """The main thread's innermost line: the same one, for long, means no progress."""
+    frame = sys._current_frames()[threading.main_thread().ident]
+    return frame.f_code, frame.f_lineno
+
+
+def locate(frame):
+    """Where a stack stands: its innermost line in this file, and what it waits for."""
+    stack = traceback.extract_stack(frame)
+    ours = [entry for entry in stack if in_this_file(entry)]
+    inner = ours[-1] if ours else stack[-1]
+    below = " ".join(entry.filename for entry in stack[stack.index(inner) + 1 :])
+    if "torch/utils/data" in below:
+        kind = LOADER
+    elif any(part in below for part in COLLECTIVES):
+        kind = WAITS  # a collective, DDP's forward, or the gradient all-reduce
+    elif not below and inner.name in HOST_SYNCS:
+        kind = WAITS  # on GPUs: a wait (.item()) for a collective queued before
+    else:
+        kind = "busy outside any collective"
+    return f"{inner.name}, line {inner.lineno}: {inner.line}", kind
+
+
+def in_this_file(entry):
+    return os.path.realpath(entry.filename) == os.path.realpath(__file__)
+
+
+def print_stacks(rank, main_traceback=None, loader_workers=False):
+    """Every thread's stack, each line starting with [rank N] (the main thread's as
+    main_traceback has it, if given); then, if asked, the DataLoader workers'."""
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    frames = sys._current_frames()
+    main = threading.main_thread().ident
+    frames = {main: frames.pop(main), **frames}  # the main thread first
+    lines = []
+    for ident, frame in frames.items():
+        if names.get(ident) == WATCH.thread.name:
+            continue  # it only reports
+        if main_traceback and ident == main:
+            stack = traceback.format_tb(main_traceback)
+        else:
+            stack = traceback.format_stack(frame)
+        lines.append(f"thread {names.get(ident, ident)} (most recent call last):")
+        lines += "".join(stack).rstrip().splitlines()
+    sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in lines))
+    sys.stderr.flush()
+    for child in multiprocessing.active_children() if loader_workers else ():
+        print(f"[rank {rank}] DataLoader worker {child.pid}:", file=sys.stderr)
+        sys.stderr.flush()
+        os.kill(child.pid, signal.SIGUSR1)  # faulthandler prints its stack
+        time.sleep(0.5)  # before the next one, and before they are stopped
+
+
+def lost_peer(err):
+    """A collective failed: another rank is gone, or timed out. (gloo says so in plain
+    RuntimeErrors; NCCL and the store raise DistErrors.)"""
+    return isinstance(err, dist.DistError) or any(text in str(err) for text in LOST)
+
+
+def report_lost_peer(err):
+    """This rank's stack, and one line: where it was, and what broke."""
+    rank = dist.get_rank()
+    print_stacks(rank, err.__traceback__)
+    frames = traceback.extract_tb(err.__traceback__)
+    ours = [entry for entry in frames if in_this_file(entry)]
+    where = f"{ours[-1].name}, line {ours[-1].lineno}" if ours else "a collective"
+    reason = str(err).strip().splitlines()[0].split("] ")[-1].split(". ")[0]
+    print(
+        f"[rank {rank}] error: a collective failed in {where} ({reason}); if another "
+        "rank ended, the launcher's line names it",
+        file=sys.stderr,
+        flush=True,
     )
-    amp_dtype = AMP_DTYPES[args.amp]
-    # float16 needs loss scaling against underflowing gradients; otherwise a no-op.
-    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
-    steps_per_epoch = len(train_loader)  # micro-batches, grad_accum per update
-    # Linear warm-up over the first epoch: large global batches (many GPUs) need it.
-    warmup = math.ceil(steps_per_epoch / args.grad_accum)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: min(1.0, (step + 1) / warmup)
-    )
-
-    last_path = out_dir / "checkpoint_last.pt"
-
-    def snapshot(epoch, step=0, sums=(0.0, 0.0)):
-        """Everything a resume needs: epochs done (and steps into the next), state."""
-        # DDP change 4: the plain model (ddp_model.module, not the DDP wrapper), so
-        # the weights load without DDP and without a "module." prefix in their keys.
-        return {
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "scaler": scaler.state_dict(),
-            "epoch": epoch,
-            "step": step,
-            "train_sums": list(sums),  # loss and samples of those steps, all ranks
-{% if strategy == "best" %}
-            "best_val_loss": best_val_loss,
-{% endif %}
-            "args": vars(args),
-        }
-
-    start_epoch, start_step, resumed_sums = 0, 0, [0.0, 0.0]
-{% if strategy == "best" %}
-    best_val_loss = float("inf")
-{% endif %}
-    checkpoint = load_checkpoint(args.resume, last_path, device)
-    if checkpoint is not None:
-        model.load_state_dict(checkpoint["model"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        scheduler.load_state_dict(checkpoint["scheduler"])
-        scaler.load_state_dict(checkpoint["scaler"])
-        start_epoch, start_step = checkpoint["epoch"], checkpoint["step"]
-        resumed_sums = checkpoint["train_sums"]
-{% if strategy == "best" %}
-        best_val_loss = checkpoint["best_val_loss"]
-{% endif %}
-        where = f"after epoch {start_epoch}"
-        if start_step:
-            where = f"in epoch {start_epoch + 1} after {start_step} steps"
-        print0(f"resumed from {checkpoint['path']} {where}")
-    if is_main:
-        start_metrics(out_dir / "metrics.csv", start_epoch)
-
-    # DDP change 3: wrap the model. Its backward pass averages gradients over all ranks,
-    # so every replica takes the same optimizer step. Train through ddp_model; save
-    # and evaluate the plain model (they share the parameters).
-    device_ids = [device.index] if device.type == "cuda" else None
-    # torch.compile inside DDP: the compiled graph is split at DDP's gradient buckets,
-    # so the all-reduce still overlaps with the backward pass.
-    ddp_model = DDP(
-        torch.compile(model) if args.compile else model,
-        device_ids=device_ids,
-        gradient_as_bucket_view=True,
-    )
-    profiler = None
-    if is_main and args.profile_steps:
-        profiler = torch.profiler.profile(
-            schedule=torch.profiler.schedule(
-                wait=1, warmup=1, active=args.profile_steps, repeat=1
-            ),
-            on_trace_ready=torch.profiler.tensorboard_trace_handler(
-                str(out_dir / "profile")
-            ),
-        )
-        profiler.start()
-    writer = None
-    if is_main and args.tensorboard:
-        writer = SummaryWriter(out_dir / "tensorboard")
-
-    preempted = False  # by SIGTERM: stop after saving, with exit status PREEMPTED
-    for epoch in range(start_epoch, args.epochs):
-        first_step = start_step if epoch == start_epoch else 0  # > 0 after SIGTERM
-        # DDP change 2: a new shuffle each epoch, the same on every rank. Without this
-        # call every epoch repeats the first epoch's order.
-{% if cookiecutter.use_batch_sampler %}
-        # (The BatchSampler draws from this same sampler, so it follows.)
-{% endif %}
-        train_sampler.set_epoch(epoch, start=first_step * args.batch_size)
-        # Per-rank randomness (dropout, augmentation): the same after a resume at an
-        # epoch boundary; after a mid-epoch stop, the rest of that epoch draws anew.
-        torch.manual_seed(args.seed + epoch * world_size + rank)
-        ddp_model.train()
-        start = time.perf_counter()
-        # This rank's loss sum, kept on the device (no sync per step), and sample count;
-        # rank 0 also carries those of the steps done before a SIGTERM.
-        carried = resumed_sums if is_main and first_step else [0.0, 0.0]
-        loss_sum, samples = torch.tensor(carried[0], device=device), int(carried[1])
-        stopped_at = None
-        data_s, marks = 0.0, []  # data wait; (start, backward done, step done) per step
-        progress = tqdm(
-            train_loader,
-            desc=f"epoch {epoch + 1}/{args.epochs}",
-            leave=False,
-            disable=not (is_main and sys.stderr.isatty()),
-        )
-        tick = time.perf_counter()
-        for step, (images, targets) in enumerate(progress, start=first_step):
-            data_s += time.perf_counter() - tick  # waiting for the DataLoader
-            begin = mark(device)
-            if images.dim() == 4:
-                images = images.to(memory_format=memory_format)
-            images = images.to(device, non_blocking=True)
-            targets = targets.to(device, non_blocking=True)
-            # Gradient accumulation: an optimizer step every grad_accum micro-batches
-            # (and at the end of the epoch), the loss divided by the group's size.
-            group = step // args.grad_accum * args.grad_accum
-            group_size = min(args.grad_accum, steps_per_epoch - group)
-            update = step + 1 == group + group_size
-            # DDP change 3: the gradient all-reduce runs in the backward pass of the
-            # last micro-batch only; no_sync() skips it for the others.
-            with contextlib.nullcontext() if update else ddp_model.no_sync():
-                with torch.autocast(device.type, amp_dtype, enabled=bool(amp_dtype)):
-                    loss = compute_loss(ddp_model(images), targets)
-                scaler.scale(loss / group_size).backward()
-            backward_done = step_done = mark(device)
-            if update:
-                scaler.step(optimizer)
-                scaler.update()
-                optimizer.zero_grad(set_to_none=True)
-                scheduler.step()
-                step_done = mark(device)
-            marks.append((begin, backward_done, step_done))
-            if profiler:
-                profiler.step()
-            loss_sum += loss.detach() * len(targets)
-            samples += len(targets)
-            if update and (step + 1) // args.grad_accum % LOG_EVERY == 0:
-                if not progress.disable:
-                    progress.set_postfix(loss=f"{loss.item():.4f}")
-                if stop_requested(device):
-                    stopped_at = step + 1
-                    break
-            tick = time.perf_counter()
-        train_seconds = time.perf_counter() - start
-        if device.type == "cuda":
-            torch.cuda.synchronize()  # the events above have all happened
-        compute_s = sum(seconds(a, b) for a, b, _ in marks)
-        optimizer_s = sum(seconds(b, c) for _, b, c in marks)
-        totals = torch.stack([loss_sum, torch.tensor(float(samples), device=device)])
-        dist.all_reduce(totals)
-        train_loss, global_samples = totals.tolist()
-        if stopped_at is not None:
-            if is_main:
-                sums = [train_loss, global_samples]
-                save_atomic(snapshot(epoch, stopped_at, sums), last_path)
-                print(
-                    f"preempted: saved {last_path} in epoch {epoch + 1} after "
-                    f"{stopped_at} steps; run again to resume (--resume auto)",
-                    flush=True,
-                )
-            preempted = True
-            break
-
-        # Evaluate the weights rank 0 saves: parameters match on every rank, but each
-        # rank keeps its own BatchNorm running statistics, so take rank 0's. Use the
-        # plain model: DDP's forward would wait for ranks with more validation batches.
-        for buffer in model.buffers():
-            dist.broadcast(buffer, src=0)
-        val_loss, val_acc = evaluate(model, val_loader, device)
-
-        if is_main:
-            row = {
-                "epoch": epoch + 1,
-                "train_loss": f"{train_loss / global_samples:.6f}",
-                "val_loss": f"{val_loss:.6f}",
-                "val_acc": f"{val_acc:.6f}",
-                "lr": f"{scheduler.get_last_lr()[0]:.6g}",
-                "samples_per_s": f"{global_samples / train_seconds:.1f}",
-                "epoch_s": f"{time.perf_counter() - start:.3f}",
-                "data_s": f"{data_s:.3f}",
-                "compute_s": f"{compute_s:.3f}",
-                "optimizer_s": f"{optimizer_s:.3f}",
-            }
-            append_metrics(out_dir / "metrics.csv", row)
-            if writer:
-                for key in METRICS[1:]:
-                    writer.add_scalar(key, float(row[key]), epoch + 1)
-            summary = "  ".join(f"{key} {row[key]}" for key in METRICS[1:])
-            print(f"epoch {epoch + 1}/{args.epochs}  {summary}", flush=True)
-{% if strategy == "best" %}
-            improved = val_loss < best_val_loss
-            best_val_loss = min(best_val_loss, val_loss)
-{% endif %}
-{% if strategy != "final_only" %}
-            # DDP change 4: rank 0 alone saves.
-            save_atomic(snapshot(epoch + 1), last_path)
-{% endif %}
-{% if strategy == "best" %}
-            if improved:
-                save_atomic(snapshot(epoch + 1), out_dir / "checkpoint_best.pt")
-{% elif strategy == "every_epoch" %}
-            epoch_path = out_dir / f"checkpoint_epoch{epoch + 1:03d}.pt"
-            save_atomic(snapshot(epoch + 1), epoch_path)
-{% endif %}
-        if epoch + 1 < args.epochs and stop_requested(device):
-            if is_main:
-{% if strategy == "final_only" %}
-                save_atomic(snapshot(epoch + 1), last_path)
-{% endif %}
-                print(
-                    f"preempted: saved {last_path} after epoch {epoch + 1}; "
-                    "run again to resume (--resume auto)",
-                    flush=True,
-                )
-            preempted = True
-            break
-
-    if profiler:
-        profiler.stop()  # writes the trace if the run had fewer steps than asked
-    if writer:
-        writer.close()
-    if preempted:
-        return PREEMPTED
-    if is_main:
-        # DDP change 4: the plain model's weights, saved once.
-        save_atomic(model.state_dict(), out_dir / "model_final.pt")
-        print(f"saved {out_dir / 'model_final.pt'}", flush=True)
-        plot_losses(out_dir / "metrics.csv", out_dir / "loss.png")
-    return 0
 
 
 def keep_freed_memory(limit=1 << 30):
@@ -781,16 +1499,47 @@ def keep_freed_memory(limit=1 << 30):
         os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(limit))
 
 
+def on_stop_signal(signum, frame):
+    """SIGTERM (how Slurm and Kubernetes preempt) or Ctrl-C (SIGINT): training stops
+    at the next check, saves a checkpoint, and exits with 128 + the signal's number.
+    A second Ctrl-C stops at once, saving nothing."""
+    global STOP_SIGNAL
+    if STOP_SIGNAL is None:
+        STOP_SIGNAL = signum
+    elif signum == signal.SIGINT:
+        stop_now(128 + signum)
+
+
+def stop_now(status):
+    """Exit at once (from any thread), with this process's DataLoader workers."""
+    for child in multiprocessing.active_children():
+        child.kill()
+    os._exit(status)
+
+
+def stop_loader_workers():
+    """This process's DataLoader workers ignore SIGTERM (see loader_worker_init), so
+    they are killed here rather than left to Python's exit, which would wait for them
+    forever after SIGTERM-ing them."""
+    # Else torch's SIGCHLD handler reports each of these deaths as an error.
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for child in multiprocessing.active_children():
+        child.kill()
+
+
 def run(args):
     """One process's life: join the group, train (or check), always leave the group.
 
-    Returns the exit status: 0, or PREEMPTED after a SIGTERM.
+    Returns the exit status: 0, 1 when another rank was lost, or 128 + the signal
+    that stopped training.
     """
     keep_freed_memory()  # before any tensor, and so before any DataLoader worker
-    device = setup_distributed(args.backend, args.dist_timeout)
-    # SIGTERM (how Slurm and Kubernetes preempt, and how torchrun stops workers) no
-    # longer kills at once: training stops at the next check and saves a checkpoint.
-    signal.signal(signal.SIGTERM, lambda signum, frame: STOP.set())
+    faulthandler.enable()  # a crash in C code (an abort) still shows the Python stack
+    device, store = setup_distributed(args.backend, args.dist_timeout)
+    # From here on, SIGTERM and Ctrl-C stop training at the next check, with a save.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, on_stop_signal)
+    WATCH.start(store, args.dist_timeout)
     try:
         if args.preflight:
             preflight(device, dist.get_backend())
@@ -798,9 +1547,39 @@ def run(args):
         else:
             status = train(args, device)
         dist.barrier()  # everyone finishes together, after rank 0's last save
+    except RuntimeError as err:
+        if not lost_peer(err):
+            raise
+        if WATCH.reporting:  # the other ranks left after a hang report: finish it
+            WATCH.thread.join()
+        report_lost_peer(err)
+        status = 1
     finally:
+        WATCH.stop()
+        stop_loader_workers()
         dist.destroy_process_group()
     return status
+
+
+def quiet_torch_logs(logger, messages):
+    """Drop torch's log lines that repeat what this script says in its own words."""
+    for handler in logging.getLogger(logger).handlers:
+        handler.addFilter(lambda record: record.msg not in messages)
+
+
+def died(rank, signal_name):
+    print(
+        f"error: rank {rank} died ({signal_name}); the other workers were stopped",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def abort_line():
+    """A second Ctrl-C: the workers were killed; say so and exit at once."""
+    print("aborted: a second Ctrl-C stopped the workers at once", file=sys.stderr)
+    sys.stderr.flush()
+    os._exit(128 + signal.SIGINT)
 {% if spawn %}
 
 
@@ -831,10 +1610,23 @@ def worker(local_rank, args, master_port):
     # Share the CPU cores between processes instead of oversubscribing them.
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.nproc_per_node))
+    if sys.platform == "linux":
+        # This process was started by spawn, so by default its children are too, and
+        # each would import this script again; DataLoader workers fork as usual on
+        # Linux instead: quick to start, with this process's signal handlers.
+        multiprocessing.set_start_method("fork", force=True)
     sys.exit(run(args))
 
 
+# torch's log line for each worker it stops after another one failed.
+SPAWN_CHATTER = {"Terminating process %s via signal SIGTERM"}
+
+
 def main():
+    """Check the arguments, start one worker per GPU (DDP change 1), wait for them.
+
+    Returns the exit status: the workers' (128 + a signal that stopped them).
+    """
     args = parse_args()
 {% if multi %}
     master_port = args.master_port or (29500 if args.nnodes > 1 else free_port())
@@ -843,37 +1635,124 @@ def main():
     master_port = args.master_port or free_port()
     first_rank = 0
 {% endif %}
-    # DDP change 1: start one process per GPU; if one fails, the others are stopped.
-    workers = mp.start_processes(
-        worker, args=(args, master_port), nprocs=args.nproc_per_node, join=False
-    )
+    processes, stops = [], []  # the workers; the signals received
 
-    def forward_sigterm(signum, frame):
-        for process in workers.processes:
+    def on_signal(signum, frame):
+        # Ctrl-C reaches the workers too; a SIGTERM sent here alone is passed on.
+        stops.append(signum)
+        if len(stops) > 1 and signum == signal.SIGINT:
+            for process in processes:
+                process.kill()
+            abort_line()
+        for process in processes:
             if process.is_alive():
                 process.terminate()  # SIGTERM: each worker saves, then exits
 
-    signal.signal(signal.SIGTERM, forward_sigterm)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, on_signal)  # before they start: the workers reset it
+    quiet_torch_logs("torch", SPAWN_CHATTER)
+    workers = mp.start_processes(
+        worker, args=(args, master_port), nprocs=args.nproc_per_node, join=False
+    )
+    processes += workers.processes
     try:
         while not workers.join():
             pass
     except mp.ProcessRaisedException as error:
         print(error, file=sys.stderr)
         rank = first_rank + error.error_index
-        sys.exit(f"error: rank {rank} failed; the other workers were stopped")
+        print(
+            f"error: rank {rank} failed; the other workers were stopped",
+            file=sys.stderr,
+        )
+        return 1
     except mp.ProcessExitedException as error:
-        if error.exit_code in (1, PREEMPTED):
-            sys.exit(error.exit_code)  # the worker has said why
-        rank = first_rank + error.error_index
-        cause = error.signal_name or f"exit code {error.exit_code}"
-        sys.exit(f"error: rank {rank} died ({cause}); the other workers were stopped")
+        if error.exit_code < 0:
+            rank = first_rank + error.error_index
+            died(rank, error.signal_name)
+            return 1
+        return error.exit_code  # the worker said why (130 or 143: it saved first)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
 {% else %}
 
 
+# torchrun's log lines that repeat what the workers or launch() say themselves.
+TORCHRUN_CHATTER = {
+    "Received %s death signal, shutting down workers",
+    "Sending process %s closing signal %s",
+    "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s",
+}
+
+
+def launch(options, timeout):
+    """DDP change 1, as the run scripts start it: torchrun, with these options, starts
+    one worker per GPU (and restarts them all after a failure, with MAX_RESTARTS). It
+    runs inside this process, not as the torchrun command, so that a failure, Ctrl-C
+    or SIGTERM ends in one line and the exit status the README gives: the workers', or
+    128 + the signal that stopped them. After a signal, torchrun gives the workers
+    `timeout` seconds (--dist-timeout) to save and stop before it kills them.
+    """
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun sets it, silently
+    quiet_torch_logs("torch.distributed", TORCHRUN_CHATTER)
+    stops = []  # signals received
+
+    def on_signal(signum, frame):
+        stops.append(signum)
+        if len(stops) == 1:  # torchrun passes it to the workers, which save and stop
+            name = signal.Signals(signum)
+            raise SignalException(f"got {name.name}", sigval=name)
+        if signum == signal.SIGINT:  # a second Ctrl-C: stop the workers at once
+            for pid in children():
+                with contextlib.suppress(ProcessLookupError):  # it ended already
+                    os.killpg(pid, signal.SIGKILL)
+            abort_line()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, on_signal)
+    # The workers run this file with the same arguments; torchrun leaves SIGTERM and
+    # SIGINT to the handler above.
+    command = [*shlex.split(options), "--signals-to-handle=SIGHUP,SIGQUIT"]
+    command.append(f"--shutdown-timeout={math.ceil(timeout)}")
+    try:
+        torchrun([*command, __file__, *sys.argv[1:]])
+    except SignalException:
+        return 128 + stops[0]
+    except (RendezvousError, dist.DistError) as err:
+        print(rendezvous_failed(err), file=sys.stderr, flush=True)
+        return 1
+    except ChildFailedError as error:
+        rank, failed = min(error.failures.items(), key=lambda item: blame(item[1]))
+        if failed.exitcode < 0:
+            died(rank, failed.signal_name())
+            return 1
+        return failed.exitcode  # the worker said why
+    return 0
+
+
+def blame(failed):
+    """Sort key for a failed worker, the cause first: killed by a signal; exited (and
+    said why); killed by SIGTERM, which is torchrun stopping the others."""
+    return failed.exitcode == -signal.SIGTERM, failed.exitcode >= 0
+
+
+def children():
+    """This process's child processes (the workers), from /proc: Linux only, like a
+    second Ctrl-C's stopping them at once (elsewhere torchrun stops them after
+    --dist-timeout)."""
+    pids = []
+    for task in Path("/proc/self/task").glob("*/children"):
+        with contextlib.suppress(OSError):
+            pids += [int(pid) for pid in task.read_text().split()]
+    return pids
+
+
 if __name__ == "__main__":
-    sys.exit(run(parse_args()))
+    args = parse_args()
+    if args.torchrun and "RANK" not in os.environ:
+        sys.exit(launch(args.torchrun, args.dist_timeout))
+    sys.exit(run(args))
 {% endif %}

@@ -11,7 +11,17 @@
 # Gloo and NCCL are told to use the network interface that reaches MASTER_ADDR; to
 # choose another, set GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME (e.g. eth0) yourself.
 # Any arguments are passed to main_multi_gpu.py (see ./main_multi_gpu.py --help).
+# Exit status: 0 when done; 2 for an argument that cannot work (nothing started);
+# 130 after Ctrl-C and 143 after SIGTERM (a checkpoint was saved); 1 for a failure.
 set -euo pipefail
+
+# A variable that must be a whole number from $2 up: one line and exit 2 otherwise.
+require_number() {
+  if [[ ! "${!1}" =~ ^[0-9]+$ ]] || ((10#${!1} < $2)); then
+    echo "error: $1 must be a whole number of at least $2, not '${!1}'" >&2
+    exit 2
+  fi
+}
 
 NNODES="${NNODES:-1}"
 NODE_RANK="${NODE_RANK:-0}"
@@ -21,6 +31,21 @@ export DIST_TIMEOUT="${DIST_TIMEOUT:-600}"  # main_multi_gpu.py reads it too
 if [[ -z "${NPROC_PER_NODE:-}" ]]; then
   NPROC_PER_NODE="$(python3 -c 'import torch; print(torch.cuda.device_count() or 2)')"
 fi
+require_number NNODES 1
+require_number NODE_RANK 0
+require_number NPROC_PER_NODE 1
+require_number MASTER_PORT 1
+if ((10#${NODE_RANK} >= 10#${NNODES})); then
+  echo "error: NODE_RANK must be below NNODES (${NNODES}), not ${NODE_RANK}" >&2
+  exit 2
+elif ((10#${MASTER_PORT} > 65535)); then
+  echo "error: MASTER_PORT must be at most 65535, not ${MASTER_PORT}" >&2
+  exit 2
+fi
+{% if cookiecutter.launcher == "torchrun" %}
+MAX_RESTARTS="${MAX_RESTARTS:-0}"
+require_number MAX_RESTARTS 0
+{% endif %}
 
 # Left alone, gloo binds the address this machine's host name resolves to, often one
 # the other machines cannot reach. Use the interface holding the source address of the
@@ -69,13 +94,16 @@ fi
 echo "rendezvous: node ${NODE_RANK} of ${NNODES}, ${NPROC_PER_NODE} processes per node," \
   "master ${MASTER_ADDR}:${MASTER_PORT}, timeout ${DIST_TIMEOUT} s"
 {% if cookiecutter.launcher == "torchrun" %}
-exec torchrun --nnodes="${NNODES}" --node-rank="${NODE_RANK}" \
-  --nproc-per-node="${NPROC_PER_NODE}" \
-  --master-addr="${MASTER_ADDR}" --master-port="${MASTER_PORT}" \
-  --rdzv-conf=timeout="${DIST_TIMEOUT}" --max-restarts="${MAX_RESTARTS:-0}" \
-  "$(dirname "$0")/main_multi_gpu.py" "$@"
+# main_multi_gpu.py runs torchrun itself, in its own process: it checks the arguments
+# first, and a failure, Ctrl-C or SIGTERM then ends in one line and the exit status
+# above.
+torchrun="--nnodes=${NNODES} --node-rank=${NODE_RANK}"
+torchrun+=" --nproc-per-node=${NPROC_PER_NODE} --max-restarts=${MAX_RESTARTS}"
+torchrun+=" --master-addr=${MASTER_ADDR} --master-port=${MASTER_PORT}"
+torchrun+=" --rdzv-conf=timeout=${DIST_TIMEOUT}"
+exec python3 "$(dirname "$0")/main_multi_gpu.py" --torchrun="${torchrun}" "$@"
 {% else %}
-exec python3 "$(dirname "$0")/main_multi_gpu.py" --nnodes="${NNODES}" --node-rank="${NODE_RANK}" \
-  --nproc-per-node="${NPROC_PER_NODE}" \
+exec python3 "$(dirname "$0")/main_multi_gpu.py" --nnodes="${NNODES}" \
+  --node-rank="${NODE_RANK}" --nproc-per-node="${NPROC_PER_NODE}" \
   --master-addr="${MASTER_ADDR}" --master-port="${MASTER_PORT}" "$@"
 {% endif %}
