@@ -1,0 +1,461 @@
+"""The generated script is a workbench: a user's data, model, loss, metrics and
+optimizer go into the five functions under "EDIT HERE", and nothing else changes.
+
+Each adaptation below is written only by replacing those functions (as a user would),
+then trained on 2 workers, resumed, and, where the model allows it, shown equal to
+1 worker with the doubled batch:
+- a tabular MLP with Dropout and LayerNorm (regression, an extra metric);
+- a next-token model on dict batches of padded sequences, with a token-level loss and
+  token accuracy (so batches hold different numbers of units);
+- AdamW with warm-up and cosine, and gradient clipping (with --amp fp16 too);
+- the default task with its batches as lists, and as dicts.
+Also what a resume does when the schedule's arguments or the global batch change."""
+
+import csv
+
+import pytest
+import torch
+
+from conftest import (
+    act_after_step,
+    bake,
+    edit,
+    load_module,
+    load_weights,
+    max_difference,
+    replace_user_functions,
+    run_job,
+    without_batchnorm,
+)
+
+COMMON = ["--num-workers", "0", "--val-size", "37", "--train-size", "64"]
+
+MLP = '''
+class Rows(torch.utils.data.Dataset):
+    """Rows of 12 features and a target from a fixed linear rule plus noise."""
+
+    def __init__(self, size, seed):
+        generator = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(size, 12, generator=generator)
+        weights = torch.randn(12, 1, generator=torch.Generator().manual_seed(0))
+        self.y = self.x @ weights + 0.1 * torch.randn(size, 1, generator=generator)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, index):
+        return self.x[index], self.y[index]
+
+
+def build_datasets(args):
+    return Rows(args.train_size, args.seed), Rows(args.val_size, args.seed + 1)
+
+
+def build_model(args):
+    return nn.Sequential(
+        nn.Linear(12, 32),
+        nn.LayerNorm(32),
+        nn.ReLU(),
+        nn.Dropout(DROPOUT),
+        nn.Linear(32, 1),
+    )
+
+
+def build_optimizer(model, args, total_updates):
+    return torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9), None
+
+
+def compute_loss(model, batch):
+    x, y = batch
+    return F.mse_loss(model(x), y), len(y)
+
+
+def compute_metrics(model, batch):
+    x, y = batch
+    error = model(x) - y
+    return {"loss": (error.pow(2).sum(), len(y)), "mae": (error.abs().sum(), len(y))}
+'''
+
+TOKENS = '''
+VOCAB, LENGTH = 16, 12
+
+
+class Sequences(torch.utils.data.Dataset):
+    """Sequences of 3 to 12 tokens, each one or two more than the last (mod VOCAB),
+    padded to LENGTH; padding is labelled -100, so batches differ in real tokens."""
+
+    def __init__(self, size, seed):
+        generator = torch.Generator().manual_seed(seed)
+        self.items = []
+        for _ in range(size):
+            n = int(torch.randint(3, LENGTH + 1, (), generator=generator))
+            steps = 1 + (torch.rand(n, generator=generator) < 0.3).long()
+            first = torch.randint(VOCAB, (1,), generator=generator)
+            tokens = (first + steps.cumsum(0)) % VOCAB
+            input_ids = torch.zeros(LENGTH, dtype=torch.long)
+            input_ids[:n] = tokens
+            labels = torch.full((LENGTH,), -100)
+            labels[: n - 1] = tokens[1:]
+            self.items.append({"input_ids": input_ids, "labels": labels})
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, index):
+        return self.items[index]
+
+
+class NextToken(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 32)
+        self.norm = nn.LayerNorm(32)
+        self.head = nn.Linear(32, VOCAB)
+
+    def forward(self, input_ids):
+        return self.head(self.norm(self.embed(input_ids)))
+
+
+def build_datasets(args):
+    return Sequences(args.train_size, args.seed), Sequences(args.val_size, 1000)
+
+
+def build_model(args):
+    return NextToken()
+
+
+def build_optimizer(model, args, total_updates):
+    return torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9), None
+
+
+def compute_loss(model, batch):
+    logits, labels = model(batch["input_ids"]), batch["labels"]
+    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    return loss, (labels != -100).sum()
+
+
+def compute_metrics(model, batch):
+    logits, labels = model(batch["input_ids"]), batch["labels"]
+    real = labels != -100
+    loss = F.cross_entropy(
+        logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
+    )
+    correct = ((logits.argmax(-1) == labels) & real).sum()
+    return {"loss": (loss, real.sum()), "token_acc": (correct, real.sum())}
+'''
+
+ADAMW_COSINE = '''
+def build_optimizer(model, args, total_updates):
+    """AdamW; the LR warms up over the first quarter of the updates, then a cosine."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    warmup = max(1, total_updates // 4)
+    scheduler = torch.optim.lr_scheduler.SequentialLR(
+        optimizer,
+        [
+            torch.optim.lr_scheduler.LinearLR(optimizer, 0.1, total_iters=warmup),
+            torch.optim.lr_scheduler.CosineAnnealingLR(
+                optimizer, T_max=total_updates - warmup
+            ),
+        ],
+        milestones=[warmup],
+    )
+    return optimizer, scheduler
+'''
+
+AS_LIST = '''
+def build_datasets(args):
+    """The default data, each item a list [image, label]."""
+    generator = torch.Generator().manual_seed(args.seed)
+    prototypes = torch.randn(NUM_CLASSES, 3, 16, 16, generator=generator)
+
+    def make(size):
+        labels = torch.randint(NUM_CLASSES, (size,), generator=generator)
+        noise = torch.randn(size, 3, 16, 16, generator=generator)
+        images = prototypes[labels] + 2 * noise
+        return [[image, label] for image, label in zip(images, labels)]
+
+    return make(args.train_size), make(args.val_size)
+
+
+def compute_loss(model, batch):
+    assert isinstance(batch, list)
+    images, labels = batch
+    return F.cross_entropy(model(images), labels), len(labels)
+
+
+def compute_metrics(model, batch):
+    images, labels = batch
+    logits = model(images)
+    return {
+        "loss": (F.cross_entropy(logits, labels, reduction="sum"), len(labels)),
+        "acc": ((logits.argmax(dim=1) == labels).sum(), len(labels)),
+    }
+'''
+
+AS_DICT = '''
+def build_datasets(args):
+    """The default data, each item a dict {"image": ..., "label": ...}."""
+    generator = torch.Generator().manual_seed(args.seed)
+    prototypes = torch.randn(NUM_CLASSES, 3, 16, 16, generator=generator)
+
+    def make(size):
+        labels = torch.randint(NUM_CLASSES, (size,), generator=generator)
+        noise = torch.randn(size, 3, 16, 16, generator=generator)
+        images = prototypes[labels] + 2 * noise
+        return [{"image": x, "label": y} for x, y in zip(images, labels)]
+
+    return make(args.train_size), make(args.val_size)
+
+
+def compute_loss(model, batch):
+    return F.cross_entropy(model(batch["image"]), batch["label"]), len(batch["label"])
+
+
+def compute_metrics(model, batch):
+    logits, labels = model(batch["image"]), batch["label"]
+    return {
+        "loss": (F.cross_entropy(logits, labels, reduction="sum"), len(labels)),
+        "acc": ((logits.argmax(dim=1) == labels).sum(), len(labels)),
+    }
+'''
+
+
+def adapted(tmp_path, name, source, **answers):
+    project = bake(tmp_path / name, **answers)
+    replace_user_functions(project, source)
+    return project
+
+
+def train(project, out_dir, nproc, *args, expect=0, env=None):
+    command = ["./run_single.sh", *COMMON, *args, "--output-dir", str(out_dir)]
+    code, output = run_job(
+        command, project, {"NPROC_PER_NODE": str(nproc), **(env or {})}
+    )
+    assert code == expect, output
+    return output
+
+
+def metrics(out_dir):
+    with (out_dir / "metrics.csv").open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def final(out_dir):
+    return load_weights(out_dir / "model_final.pt")
+
+
+def resumed_equals_uninterrupted(project, tmp_path, nproc, *args):
+    """2 epochs, then a resume to 3, end like 3 epochs at once (weights and rows)."""
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    train(project, full, nproc, *args, "--epochs", "3")
+    train(project, cut, nproc, *args, "--epochs", "2")
+    output = train(project, cut, nproc, *args, "--epochs", "3")
+    assert "resumed from" in output and "after epoch 2" in output
+    assert max_difference(final(full), final(cut)) < 1e-6
+    keep = [key for key in metrics(full)[0] if not key.endswith("_s")]
+    assert [[r[k] for k in keep] for r in metrics(full)] == [
+        [r[k] for k in keep] for r in metrics(cut)
+    ]
+    return full
+
+
+# -- a tabular MLP with Dropout and LayerNorm --------------------------------------------
+
+
+def test_tabular_mlp_with_dropout_trains_resumes_and_scales(tmp_path):
+    project = adapted(tmp_path, "mlp", MLP.replace("DROPOUT", "0.1"))
+    args = ["--lr", "0.01", "--batch-size", "8"]
+    full = resumed_equals_uninterrupted(project, tmp_path, 2, *args)
+    rows = metrics(full)
+    assert list(rows[0])[:5] == ["epoch", "train_loss", "val_loss", "val_mae", "lr"]
+    assert float(rows[-1]["val_loss"]) < 0.5 * float(rows[0]["val_loss"])  # learns
+
+    # Dropout draws other numbers on 2 ranks than on 1, so the equivalence needs it
+    # off; LayerNorm normalizes each sample alone and keeps it.
+    exact = adapted(tmp_path, "exact", MLP.replace("DROPOUT", "0.0"))
+    args = ["--lr", "0.01", "--epochs", "2"]
+    train(exact, tmp_path / "w2", 2, *args, "--batch-size", "8")
+    train(exact, tmp_path / "w1", 1, *args, "--batch-size", "16")
+    assert max_difference(final(tmp_path / "w2"), final(tmp_path / "w1")) < 1e-5
+
+
+# -- dict batches, a token-level loss, token accuracy --------------------------------------
+
+
+def token_accuracy(project, out_dir):
+    """Ground truth: the saved weights on the whole validation set, in one process."""
+    module = load_module(project)
+    args = module.parse_args([*COMMON])
+    _, val_set = module.build_datasets(args)
+    model = module.build_model(args)
+    model.load_state_dict(final(out_dir))
+    input_ids = torch.stack([item["input_ids"] for item in val_set])
+    labels = torch.stack([item["labels"] for item in val_set])
+    with torch.no_grad():
+        predicted = model(input_ids).argmax(-1)
+    real = labels != -100
+    return ((predicted == labels) & real).sum().item() / real.sum().item()
+
+
+def test_dict_batches_with_token_loss_and_token_accuracy(tmp_path):
+    project = adapted(tmp_path, "tokens", TOKENS)
+    full = resumed_equals_uninterrupted(project, tmp_path, 2, "--batch-size", "4")
+    rows = metrics(full)
+    assert "val_token_acc" in rows[0] and "val_acc" not in rows[0]
+    assert float(rows[-1]["val_token_acc"]) == pytest.approx(
+        token_accuracy(project, full), abs=1e-6
+    )
+    assert 0.3 < float(rows[-1]["val_token_acc"]) <= 1
+
+    # Batches hold different numbers of real tokens: the update weighs every token of
+    # the global batch alike, so 2 x 4 sequences equal 1 x 8.
+    train(project, tmp_path / "w1", 1, "--epochs", "3", "--batch-size", "8")
+    assert max_difference(final(full), final(tmp_path / "w1")) < 1e-5
+
+
+def test_token_weighting_is_what_makes_dict_batches_scale(tmp_path):
+    """The control for the test above: averaging each rank's per-token mean instead
+    (the usual DDP loop) makes 2 x 4 differ from 1 x 8."""
+    project = adapted(tmp_path, "tokens", TOKENS)
+    edit(project, "loss * (n / args.batch_size)", "loss")
+    edit(
+        project,
+        "args.batch_size * dist.get_world_size() / units",
+        "torch.tensor(1.0, dtype=torch.float64)",
+    )
+    args = ["--epochs", "2"]
+    train(project, tmp_path / "w2", 2, *args, "--batch-size", "4")
+    train(project, tmp_path / "w1", 1, *args, "--batch-size", "8")
+    assert max_difference(final(tmp_path / "w2"), final(tmp_path / "w1")) > 1e-4
+
+
+# -- AdamW, warm-up and cosine, gradient clipping -----------------------------------------
+
+
+def test_adamw_cosine_and_clipping_scale_with_workers_and_accumulation(tmp_path):
+    project = adapted(tmp_path, "adamw", ADAMW_COSINE)
+    without_batchnorm(project)
+    args = ["--epochs", "2", "--lr", "0.003", "--clip-grad-norm", "0.5"]
+    train(project, tmp_path / "a", 2, *args, "--batch-size", "8")
+    train(project, tmp_path / "b", 1, *args, "--batch-size", "8", "--grad-accum", "2")
+    train(project, tmp_path / "c", 1, *args, "--batch-size", "16")
+    a, b, c = (final(tmp_path / name) for name in "abc")
+    assert max_difference(a, b) < 1e-5
+    assert max_difference(a, c) < 1e-5
+    lrs = [float(row["lr"]) for row in metrics(tmp_path / "a")]
+    assert lrs[-1] == pytest.approx(0.0, abs=1e-9)  # the cosine ran to its end
+    # The clipping bites: without it the same run ends elsewhere.
+    train(project, tmp_path / "d", 2, *args[:-2], "--batch-size", "8")
+    assert max_difference(a, final(tmp_path / "d")) > 1e-3
+
+    # Stopped by SIGTERM in epoch 1 and resumed with the same arguments: AdamW's
+    # moments and the cosine's position come back, and it ends like the run "a".
+    act_after_step(project)
+    stop = {
+        "TEST_ACT_AT": "0:0:1",
+        "TEST_ACTION": "os.killpg(os.getpgrp(), signal.SIGTERM)",
+    }
+    args = [*args, "--batch-size", "8"]
+    output = train(project, tmp_path / "e", 2, *args, env=stop, expect=143)
+    assert "preempted: saved" in output
+    output = train(project, tmp_path / "e", 2, *args)
+    assert "resumed from" in output and "resume: the LR" not in output
+    assert max_difference(a, final(tmp_path / "e")) < 1e-6
+
+
+def test_clipping_under_fp16_sees_the_true_gradients(tmp_path):
+    """Clipping the still-scaled fp16 gradients (x 65536) would shrink every SGD
+    update to nothing (Adam's normalization would hide it); unscaled first, fp16
+    trains like bf16."""
+    project = bake(tmp_path)
+    args = ["--epochs", "2", "--batch-size", "8", "--clip-grad-norm", "1.0"]
+    train(project, tmp_path / "fp16", 2, *args, "--amp", "fp16")
+    train(project, tmp_path / "bf16", 2, *args, "--amp", "bf16")
+    module = load_module(project)
+    torch.manual_seed(0)
+    start = module.build_model(module.parse_args([])).state_dict()
+    fp16, bf16 = final(tmp_path / "fp16"), final(tmp_path / "bf16")
+    moved = max_difference(fp16, start)
+    assert moved > 0.5 * max_difference(bf16, start) > 0
+    assert max_difference(fp16, bf16) < 0.25 * moved
+
+
+def test_a_longer_run_resumes_on_the_longer_schedule(tmp_path):
+    """Resumed with more --epochs, a cosine is rebuilt for the new length (one line
+    says so) instead of repeating the old one: from then on its LR is the LR of a
+    4-epoch schedule, computed here from build_optimizer itself."""
+    project = adapted(tmp_path, "adamw", ADAMW_COSINE)
+    args = ["--lr", "0.003", "--batch-size", "8"]
+    train(project, tmp_path / "cut", 2, *args, "--epochs", "2")
+    output = train(project, tmp_path / "cut", 2, *args, "--epochs", "4")
+    line = (
+        "resume: the LR schedule is rebuilt for --lr 0.003, 16 updates of 16 samples "
+        "(the checkpoint's: --lr 0.003, 8 updates of 16); continuing at update 8, LR "
+    )
+    assert output.count(line) == 1, output
+
+    module = load_module(project)
+    optimizer, scheduler = module.build_optimizer(
+        torch.nn.Linear(1, 1), module.parse_args(args), total_updates=16
+    )
+    four_epochs = []
+    for _ in range(4):  # 64 samples, 2 x 8 a step: 4 updates an epoch
+        for _ in range(4):
+            optimizer.step()
+            scheduler.step()
+        four_epochs.append(optimizer.param_groups[0]["lr"])
+    rows = metrics(tmp_path / "cut")
+    assert [float(row["lr"]) for row in rows[2:]] == pytest.approx(four_epochs[2:])
+    assert float(rows[1]["lr"]) == pytest.approx(0.0, abs=1e-9)  # the old one's end
+    assert four_epochs[1] > 1e-4  # which the new one is not at
+
+
+# -- batches as lists and as dicts ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def as_tuples(tmp_path_factory):
+    """The default project's run, whose batches are tuples (images, labels)."""
+    root = tmp_path_factory.mktemp("tuples")
+    project = bake(root, save_strategy="final_only")
+    train(project, root / "out", 2, "--epochs", "2", "--batch-size", "8")
+    return root / "out"
+
+
+@pytest.mark.parametrize("source", [AS_LIST, AS_DICT], ids=["list", "dict"])
+def test_batches_as_lists_and_dicts_train_like_tuples(tmp_path, as_tuples, source):
+    project = adapted(tmp_path, "other", source, save_strategy="final_only")
+    train(project, tmp_path / "out", 2, "--epochs", "2", "--batch-size", "8")
+    assert max_difference(final(tmp_path / "out"), final(as_tuples)) == 0
+    accuracy = [metrics(out)[-1]["val_acc"] for out in (tmp_path / "out", as_tuples)]
+    assert accuracy[0] == accuracy[1]
+
+
+# -- resuming with other arguments ---------------------------------------------------------
+
+
+def test_a_resume_that_cannot_keep_the_global_batch_is_refused(tmp_path):
+    project = bake(tmp_path, launcher="spawn")
+    out = tmp_path / "out"
+    train(project, out, 2, "--batch-size", "8", "--epochs", "1")
+    before = (out / "checkpoint_last.pt").read_bytes()
+    output = train(project, out, 2, "--batch-size", "16", "--epochs", "2", expect=2)
+    errors = [line for line in output.splitlines() if "error" in line.lower()]
+    refusal = (
+        "error: the checkpoint's global batch is 16 (2 processes x batch 8 x "
+        "grad-accum 1); 2 processes x batch 16 x grad-accum 1 make 32: e.g. "
+        "--batch-size 8 --grad-accum 1, or pass --allow-batch-change to go on with 32"
+    )
+    assert errors == [refusal]
+    assert "Traceback" not in output
+    assert (out / "checkpoint_last.pt").read_bytes() == before
+
+    # Allowed, with a new --lr too: one line for the batch, one for the schedule.
+    allowed = ["--batch-size", "16", "--allow-batch-change", "--lr", "0.05"]
+    output = train(project, out, 2, "--epochs", "2", *allowed)
+    assert "resume: global batch 32 changed from 16" in output
+    line = (
+        "rebuilt for --lr 0.05, 4 updates of 32 samples (the checkpoint's: --lr 0.1, "
+    )
+    assert output.count(f"{line}4 updates of 16); continuing at update 2, LR 0.05") == 1
+    assert [row["lr"] for row in metrics(out)] == ["0.1", "0.05"]
