@@ -1,0 +1,220 @@
+"""Failing safely: a diverging loss stops the run without writing anything worse than
+what was there; a flag that cannot work is one line (exit 2) before anything starts,
+through every run script; Ctrl-C saves and stops like SIGTERM, and a second Ctrl-C
+stops at once. Each case: one clear line, no traceback, no process left behind."""
+
+import os
+import subprocess
+import time
+
+import pytest
+import torch
+
+from conftest import (
+    act_after_step,
+    bake,
+    load_module,
+    load_weights,
+    replace_user_functions,
+)
+from test_faults import watch
+
+LONG = ["--epochs", "3", "--batch-size", "8", "--num-workers", "0", "--val-size", "37"]
+LONG += ["--train-size", "512"]  # 2 processes: 32 steps an epoch
+
+
+def single(project, out_dir, args, **env):
+    command = ["./run_single.sh", *args, "--output-dir", str(out_dir)]
+    return watch(command, project, {"NPROC_PER_NODE": "2", **env}, out_dir)
+
+
+def all_finite(path):
+    state = load_weights(path)
+    tensors = state.get("model", state)
+    return all(
+        torch.isfinite(t).all() for t in tensors.values() if t.is_floating_point()
+    )
+
+
+# -- divergence --------------------------------------------------------------------------
+
+# The default loss, but on rank 1 its 45th call (epoch 2, step 13) returns NaN.
+NAN_ON_RANK_1 = """
+CALLS = []
+
+
+def compute_loss(model, batch):
+    images, labels = batch
+    loss = F.cross_entropy(model(images), labels)
+    CALLS.append(1)
+    if dist.get_rank() == 1 and len(CALLS) == 45:
+        loss = loss * float("nan")
+    return loss, len(labels)
+"""
+
+
+def test_a_nan_loss_stops_the_run_and_names_the_step(tmp_path):
+    project = bake(tmp_path, save_strategy="last")
+    replace_user_functions(project, NAN_ON_RANK_1)
+    out = tmp_path / "out"
+    code, output, _, left = single(project, out, LONG)
+    assert code == 1 and left == [], output
+    errors = [line for line in output.splitlines() if "error" in line.lower()]
+    line = (
+        "error: the loss is nan in epoch 2 at step 13 (rank 1); stopped without saving "
+        "it. Try a lower --lr, --clip-grad-norm 1.0, or --amp bf16 instead of fp16"
+    )
+    assert errors == [line], output
+    assert "Traceback" not in output
+    # Epoch 1's checkpoint stays, and nothing non-finite was written.
+    assert load_weights(out / "checkpoint_last.pt")["epoch"] == 1
+    assert all_finite(out / "checkpoint_last.pt")
+    assert not (out / "model_final.pt").exists()
+    assert (out / "metrics.csv").read_text().count("\n") == 2  # header, epoch 1
+
+
+def test_a_huge_learning_rate_keeps_the_last_good_checkpoint(tmp_path):
+    """The case a user meets: resumed with --lr 1e6, the loss becomes NaN within an
+    epoch, and checkpoint_last.pt keeps every byte of the good one (spawn launcher:
+    it says nothing more than the workers)."""
+    project = bake(tmp_path, launcher="spawn", save_strategy="last")
+    out = tmp_path / "out"
+    code, output, _, _ = single(project, out, [*LONG[:1], "1", *LONG[2:]])
+    assert code == 0, output
+    good = {
+        name: (out / name).read_bytes()
+        for name in ("checkpoint_last.pt", "model_final.pt")
+    }
+    code, output, _, left = single(project, out, [*LONG, "--lr", "1e6"])
+    assert code == 1 and left == [], output
+    assert "error: the loss is nan in epoch 2 at step " in output, output
+    assert "Traceback" not in output
+    assert {name: (out / name).read_bytes() for name in good} == good
+
+
+# -- flags that cannot work ----------------------------------------------------------------
+
+BAD_FLAGS = [
+    (["--batch-size", "0"], "argument --batch-size: must be at least 1, not 0"),
+    (["--grad-accum", "0"], "argument --grad-accum: must be at least 1, not 0"),
+    (["--val-size", "0"], "argument --val-size: must be at least 1, not 0"),
+    (["--epochs", "-2"], "argument --epochs: must be at least 1, not -2"),
+    (["--num-workers", "-1"], "argument --num-workers: must be at least 0, not -1"),
+    (["--train-size", "0"], "argument --train-size: must be at least 1, not 0"),
+    (["--lr", "0"], "argument --lr: must be above 0, not 0"),
+    (["--clip-grad-norm", "-1"], "argument --clip-grad-norm: must be above 0, not -1"),
+    (["--dist-timeout", "nan"], "argument --dist-timeout: must be above 0, not nan"),
+    (["--epochs", "two"], "argument --epochs: invalid int value: 'two'"),
+]
+BAD_SPAWN_FLAGS = [
+    (["--nproc-per-node", "0"], "argument --nproc-per-node: must be at least 1, not 0"),
+    (["--master-port", "70000"], "argument --master-port: must be at least 1 and at"),
+    (["--nnodes", "2", "--node-rank", "2"], "argument --node-rank: must be below"),
+]
+BAD_MULTI_ENV = [
+    ({"NNODES": "0"}, "NNODES must be a whole number of at least 1, not '0'"),
+    ({"NNODES": "2", "NODE_RANK": "2"}, "NODE_RANK must be below NNODES (2), not 2"),
+    ({"NPROC_PER_NODE": "x"}, "NPROC_PER_NODE must be a whole number of at least 1"),
+    ({"MASTER_PORT": "70000"}, "MASTER_PORT must be at most 65535, not 70000"),
+]
+
+
+def refusals(project, cases, script="./run_single.sh"):
+    """Run every (args or env, message) case at once: each must end soon (no process
+    group was started), with exit 2 and one line. (run_multi.sh says which network
+    interface and rendezvous it will use before main_multi_gpu.py checks the flags:
+    there, the error is the one line that is not such a note.)"""
+    procs = []
+    for case, message in cases:
+        args, env = (case, {}) if isinstance(case, list) else ([], case)
+        out = project / f"out{len(procs)}"
+        procs.append(
+            (
+                subprocess.Popen(
+                    [script, *args, "--output-dir", str(out)],
+                    cwd=project,
+                    env={**os.environ, "NPROC_PER_NODE": "2", **env},
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                ),
+                message,
+                out,
+            )
+        )
+    start = time.monotonic()
+    for proc, message, out in procs:
+        output = proc.communicate(timeout=60)[0]
+        assert proc.returncode == 2, output
+        notes = ("network: ", "rendezvous: ")
+        lines = [x for x in output.splitlines() if not x.startswith(notes)]
+        assert len(lines) == 1 and lines[0].startswith(f"error: {message}"), output
+        assert not out.exists()
+    assert time.monotonic() - start < 20 * len(procs) / 2
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
+def test_every_number_flag_is_checked(tmp_path, launcher, capsys):
+    """Each bad value, through the script's own parse_args: one line, exit 2."""
+    module = load_module(bake(tmp_path, launcher=launcher, nodes="multi"))
+    cases = BAD_FLAGS + (BAD_SPAWN_FLAGS if launcher == "spawn" else [])
+    for args, message in cases:
+        with pytest.raises(SystemExit) as stop:
+            module.parse_args(args)
+        assert stop.value.code == 2, args
+        lines = capsys.readouterr().err.splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: {message}"), lines
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
+def test_a_flag_that_cannot_work_is_one_line_through_every_script(tmp_path, launcher):
+    """Before any process starts, through each run script (run_slurm.sbatch:
+    test_slurm.py); run_multi.sh's own variables too."""
+    project = bake(tmp_path, launcher=launcher, nodes="multi")
+    cases = [BAD_FLAGS[0], BAD_FLAGS[-1], (["--bogus"], "unrecognized arguments")]
+    cases += [({"NPROC_PER_NODE": "0"}, "NPROC_PER_NODE must be a whole number")]
+    refusals(project, cases)
+    refusals(project, [BAD_FLAGS[1], *BAD_MULTI_ENV], script="./run_multi.sh")
+
+
+# -- Ctrl-C ----------------------------------------------------------------------------------
+
+# Ctrl-C in a terminal reaches the foreground process group: under the spawn launcher
+# that is every process; torchrun keeps its workers in sessions of their own, so only
+# the launcher gets it and passes it on. Rank 0 sends it after step 5 of epoch 2.
+CTRL_C = {
+    "torchrun": "os.kill(os.getppid(), signal.SIGINT)",
+    "spawn": "os.killpg(os.getpgrp(), signal.SIGINT)",
+}
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
+def test_ctrl_c_saves_like_sigterm(tmp_path, launcher):
+    """(A resume from such a checkpoint: test_faults.py's SIGTERM test.)"""
+    project = bake(tmp_path, launcher=launcher, save_strategy="final_only")
+    act_after_step(project)
+    out = tmp_path / "out"
+    env = {"TEST_ACT_AT": "0:1:5", "TEST_ACTION": CTRL_C[launcher]}
+    code, output, seconds, left = single(project, out, LONG, **env)
+    assert code == 130 and left == [] and seconds < 60, output
+    last = out / "checkpoint_last.pt"
+    line = f"interrupted: saved {last} in epoch 2 after 20 steps; run again to resume"
+    assert output.count(line) == 1, output
+    assert "Traceback" not in output and "error" not in output.lower(), output
+    checkpoint = load_weights(last)
+    assert (checkpoint["epoch"], checkpoint["epoch_samples"]) == (1, 20 * 2 * 8)
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
+def test_a_second_ctrl_c_stops_at_once(tmp_path, launcher):
+    project = bake(tmp_path, launcher=launcher, save_strategy="last")
+    act_after_step(project)
+    out = tmp_path / "out"
+    twice = f"{CTRL_C[launcher]}; time.sleep(0.3); {CTRL_C[launcher]}; time.sleep(60)"
+    env = {"TEST_ACT_AT": "0:1:5", "TEST_ACTION": twice}
+    code, output, seconds, left = single(project, out, LONG, **env)
+    assert code == 130 and left == [], output
+    assert seconds < 30, output  # not the 60 s the action would sleep
+    lines = [line for line in output.splitlines() if not line.startswith("epoch ")]
+    assert lines == ["aborted: a second Ctrl-C stopped the workers at once"], output
+    assert load_weights(out / "checkpoint_last.pt")["epoch"] == 1  # nothing new
