@@ -1,0 +1,193 @@
+"""A rank that hangs ends the job within --dist-timeout plus a bounded margin: every
+rank prints its stack with its rank in front, the output ends with where each rank
+stood and which one the others wait for, and no process is left. The hangs are made
+as a user's bug would make them, by replacing one of the five functions: a rank stuck
+in compute_loss, a rank that takes a collective the others do not, a rank whose
+DataLoader worker is stuck."""
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import time
+
+import pytest
+
+from conftest import TINY, bake, free_port, replace_user_functions
+from test_faults import live_members, watch
+
+TIMEOUT = 5  # --dist-timeout, seconds without progress
+# Start-up (imports, rendezvous, DDP) and two steps, then the timeout, then the
+# report; generous for a loaded 2-core machine, and far below the 35 s a collective
+# waits (--dist-timeout + 30) before it fails on its own.
+LIMIT = 45
+ARGS = [*TINY, "--dist-timeout", str(TIMEOUT)]
+
+STUCK_IN_COMPUTE_LOSS = """
+CALLS = []
+
+
+def compute_loss(model, batch):
+    images, labels = batch
+    CALLS.append(1)
+    if dist.get_rank() == 1 and len(CALLS) == 3:
+        time.sleep(1000)  # stuck
+    return F.cross_entropy(model(images), labels), len(labels)
+"""
+
+AN_EXTRA_COLLECTIVE = """
+CALLS = []
+
+
+def compute_loss(model, batch):
+    images, labels = batch
+    CALLS.append(1)
+    if dist.get_rank() == 0 and len(CALLS) == 3:
+        dist.barrier()  # a collective that rank 1 does not take
+    return F.cross_entropy(model(images), labels), len(labels)
+"""
+
+STUCK_DATALOADER_WORKER = """
+class Stalling(torch.utils.data.Dataset):
+    \"\"\"Rank 1's DataLoader worker gets stuck on its 20th item (its third batch).\"\"\"
+
+    def __init__(self, data):
+        self.data, self.calls = data, 0
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, index):
+        self.calls += 1
+        if os.environ["RANK"] == "1" and self.calls == 20:
+            time.sleep(1000)  # stuck
+        return self.data[index]
+
+
+def build_datasets(args):
+    generator = torch.Generator().manual_seed(args.seed)
+    images = torch.randn(args.train_size + args.val_size, 3, 16, 16, generator=generator)
+    labels = torch.randint(NUM_CLASSES, (len(images),), generator=generator)
+    train = TensorDataset(images[: args.train_size], labels[: args.train_size])
+    val = TensorDataset(images[args.train_size :], labels[args.train_size :])
+    return Stalling(train), val
+"""
+
+HEADLINE = f"hang: no progress for {TIMEOUT} s (--dist-timeout); where each rank stood:"
+
+
+def hang(tmp_path, source, launcher="torchrun", args=ARGS):
+    project = bake(tmp_path, launcher=launcher, save_strategy="final_only")
+    replace_user_functions(project, source)
+    out = tmp_path / "out"
+    command = ["./run_single.sh", *args, "--output-dir", str(out)]
+    code, output, seconds, left = watch(command, project, {"NPROC_PER_NODE": "2"}, out)
+    assert code == 1, output
+    assert seconds < LIMIT, output
+    assert left == [], output
+    assert "Traceback" not in output
+    return output
+
+
+def summary(output):
+    """The last lines of the output, from the headline on."""
+    lines = output.rstrip("\n").splitlines()
+    assert HEADLINE in lines, output
+    return lines[lines.index(HEADLINE) + 1 :]
+
+
+def stack_of(output, rank):
+    return "\n".join(
+        line for line in output.splitlines() if line.startswith(f"[rank {rank}] ")
+    )
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
+def test_a_rank_stuck_in_compute_loss_is_named_with_its_stack(tmp_path, launcher):
+    output = hang(tmp_path, STUCK_IN_COMPUTE_LOSS, launcher)
+    rank0, rank1, verdict = summary(output)
+    assert re.fullmatch(
+        r"  rank 0: compute_loss, line \d+: return F\.cross_entropy\(.*"
+        r"\(waits for the other ranks\)",
+        rank0,
+    ), output
+    assert re.fullmatch(
+        r"  rank 1: compute_loss, line \d+: time\.sleep\(1000\)  # stuck  "
+        r"\(busy outside any collective\)",
+        rank1,
+    ), output
+    assert verdict == (
+        "rank 1: no progress outside a collective, while the others wait; see the "
+        "lines above that start with [rank 1]."
+    )
+    # Rank 1's stack, all threads, main thread first, down to the line.
+    stack = stack_of(output, 1)
+    assert stack.startswith("[rank 1] thread MainThread (most recent call last):")
+    assert "in compute_loss\n[rank 1]     time.sleep(1000)  # stuck" in stack
+    assert "thread hang watch" not in stack  # the reporter itself is left out
+    assert "in train_epoch" in stack_of(output, 0)
+
+
+def test_a_rank_that_takes_an_extra_collective(tmp_path):
+    """The others take the next one: every rank waits, each in a different one."""
+    output = hang(tmp_path, AN_EXTRA_COLLECTIVE)
+    rank0, rank1, verdict = summary(output)
+    assert re.fullmatch(
+        r"  rank 0: compute_loss, line \d+: dist\.barrier\(\)  # a collective that "
+        r"rank 1 does not take  \(waits for the other ranks\)",
+        rank0,
+    ), output
+    assert rank1.endswith("(waits for the other ranks)"), output
+    assert verdict.startswith("every rank waits in a collective: not all in the same")
+
+
+def test_a_rank_with_a_stuck_dataloader_worker(tmp_path):
+    output = hang(tmp_path, STUCK_DATALOADER_WORKER, args=[*ARGS, "--num-workers", "1"])
+    _, rank1, verdict = summary(output)
+    assert re.fullmatch(
+        r"  rank 1: batches, line \d+: .*\(waits for its DataLoader workers\)", rank1
+    ), output
+    assert verdict.startswith("rank 1: no progress outside a collective"), output
+    # The worker's own stack follows its announcement, down to the stuck line.
+    worker = output.partition("[rank 1] DataLoader worker ")[2]
+    assert re.search(r"line \d+ in __getitem__", worker), output
+    assert "[rank 0] DataLoader worker" not in output  # rank 0 waits on rank 1
+
+
+def test_a_hang_across_two_nodes(tmp_path):
+    """Two machines (run_multi.sh twice, one process each): node 0's output ends
+    with the summary for both ranks; both end, and nothing of either is left."""
+    project = bake(
+        tmp_path, launcher="spawn", nodes="multi", save_strategy="final_only"
+    )
+    replace_user_functions(project, STUCK_IN_COMPUTE_LOSS)
+    node = {"NNODES": "2", "NPROC_PER_NODE": "1", "MASTER_ADDR": "127.0.0.1"}
+    node = {**os.environ, **node, "MASTER_PORT": str(free_port())}
+    command = ["./run_multi.sh", *ARGS, "--output-dir", str(tmp_path / "out")]
+    logs = [tmp_path / f"node{rank}.log" for rank in (0, 1)]
+    nodes = [
+        subprocess.Popen(
+            command,
+            cwd=project,
+            env={**node, "NODE_RANK": str(rank)},
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        for rank, log in zip((0, 1), logs, strict=True)
+    ]
+    try:
+        codes = [proc.wait(timeout=LIMIT) for proc in nodes]
+        time.sleep(5)
+        left = [live_members(proc.pid) for proc in nodes]
+    finally:
+        for proc in nodes:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    output0, output1 = (log.read_text() for log in logs)
+    assert codes == [1, 1], (output0, output1)
+    assert left == [[], []], (output0, output1)
+    assert summary(output0)[1].startswith("  rank 1: compute_loss"), output0
+    assert "[rank 1] thread MainThread" in output1
+    assert HEADLINE not in output1  # rank 0 summarizes
