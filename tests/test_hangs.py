@@ -77,8 +77,8 @@ def build_datasets(args):
 HEADLINE = f"hang: no progress for {TIMEOUT} s (--dist-timeout); where each rank stood:"
 
 
-def hang(tmp_path, source, launcher="torchrun", args=ARGS):
-    project = bake(tmp_path, launcher=launcher, save_strategy="final_only")
+def hang(tmp_path, source, launcher="torchrun", args=ARGS, **answers):
+    project = bake(tmp_path, launcher=launcher, **answers)
     replace_user_functions(project, source)
     out = tmp_path / "out"
     command = ["./run_single.sh", *args, "--output-dir", str(out)]
@@ -107,6 +107,12 @@ def stack_of(output, rank):
 def test_a_rank_stuck_in_compute_loss_is_named_with_its_stack(tmp_path, launcher):
     output = hang(tmp_path, STUCK_IN_COMPUTE_LOSS, launcher)
     rank0, rank1, verdict = summary(output)
+    if launcher == "torchrun":  # the default project, whose README shows this summary
+        (readme,) = tmp_path.glob("*/README.md")
+        shown = readme.read_text()
+        assert [rank0, rank1, verdict] == [
+            line for line in (rank0, rank1, verdict) if f"\n{line}\n" in shown
+        ], output
     assert re.fullmatch(
         r"  rank 0: compute_loss, line \d+: return F\.cross_entropy\(.*"
         r"\(waits for the other ranks\)",
@@ -131,7 +137,7 @@ def test_a_rank_stuck_in_compute_loss_is_named_with_its_stack(tmp_path, launcher
 
 def test_a_rank_that_takes_an_extra_collective(tmp_path):
     """The others take the next one: every rank waits, each in a different one."""
-    output = hang(tmp_path, AN_EXTRA_COLLECTIVE)
+    output = hang(tmp_path, AN_EXTRA_COLLECTIVE, save_strategy="final_only")
     rank0, rank1, verdict = summary(output)
     assert re.fullmatch(
         r"  rank 0: compute_loss, line \d+: dist\.barrier\(\)  # a collective that "
@@ -143,7 +149,12 @@ def test_a_rank_that_takes_an_extra_collective(tmp_path):
 
 
 def test_a_rank_with_a_stuck_dataloader_worker(tmp_path):
-    output = hang(tmp_path, STUCK_DATALOADER_WORKER, args=[*ARGS, "--num-workers", "1"])
+    output = hang(
+        tmp_path,
+        STUCK_DATALOADER_WORKER,
+        args=[*ARGS, "--num-workers", "1"],
+        save_strategy="final_only",
+    )
     _, rank1, verdict = summary(output)
     assert re.fullmatch(
         r"  rank 1: batches, line \d+: .*\(waits for its DataLoader workers\)", rank1
