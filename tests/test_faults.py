@@ -239,6 +239,7 @@ def test_a_missing_node_fails_within_dist_timeout(tmp_path, launcher):
     assert seconds < 45, output
     assert left == [], output
     assert "1/2 clients joined" in output
+    assert f"error: rendezvous with 127.0.0.1:{port} failed (" in output
     if launcher == "spawn":
         assert f"error: rendezvous with 127.0.0.1:{port} failed (Timed out" in output
 

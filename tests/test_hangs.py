@@ -113,6 +113,8 @@ def test_a_rank_stuck_in_compute_loss_is_named_with_its_stack(tmp_path, launcher
         assert [rank0, rank1, verdict] == [
             line for line in (rank0, rank1, verdict) if f"\n{line}\n" in shown
         ], output
+        frames = re.findall(r'main_multi_gpu\.py", (line \d+, in \S+)\n', shown)
+        assert len(frames) == 3 and all(frame in output for frame in frames), frames
     assert re.fullmatch(
         r"  rank 0: compute_loss, line \d+: return F\.cross_entropy\(.*"
         r"\(waits for the other ranks\)",

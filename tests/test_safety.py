@@ -203,6 +203,11 @@ def test_ctrl_c_saves_like_sigterm(tmp_path, launcher):
     assert "Traceback" not in output and "error" not in output.lower(), output
     checkpoint = load_weights(last)
     assert (checkpoint["epoch"], checkpoint["epoch_samples"]) == (1, 20 * 2 * 8)
+    if launcher == "spawn":
+        # Resumed to its end, final_only keeps no checkpoint: a rerun starts afresh.
+        code, output, _, _ = single(project, out, LONG)
+        assert code == 0 and "resumed from" in output, output
+        assert not last.exists()
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "spawn"])

@@ -459,3 +459,45 @@ def test_a_resume_that_cannot_keep_the_global_batch_is_refused(tmp_path):
     )
     assert output.count(f"{line}4 updates of 16); continuing at update 2, LR 0.05") == 1
     assert [row["lr"] for row in metrics(out)] == ["0.1", "0.05"]
+
+
+def test_a_resume_with_fp16_goes_on_and_one_after_a_new_optimizer_is_refused(tmp_path):
+    """--amp fp16 from a checkpoint saved without it starts a fresh loss scaler;
+    build_optimizer() changed (SGD -> AdamW) refuses in one line, writing nothing."""
+    project = bake(tmp_path)
+    out = tmp_path / "out"
+    train(project, out, 2, "--batch-size", "8", "--epochs", "1")
+    output = train(
+        project, out, 2, "--batch-size", "8", "--epochs", "2", "--amp", "fp16"
+    )
+    assert "resumed from" in output and "after epoch 1" in output
+    assert [row["epoch"] for row in metrics(out)] == ["1", "2"]
+
+    replace_user_functions(project, ADAMW_COSINE)
+    before = (out / "checkpoint_last.pt").read_bytes()
+    output = train(project, out, 2, "--batch-size", "8", "--epochs", "3", expect=1)
+    errors = [line for line in output.splitlines() if "error" in line.lower()]
+    refusal = (
+        f"error: {out / 'checkpoint_last.pt'} holds another optimizer or LR schedule "
+        "than build_optimizer() makes; start afresh with --resume never or another "
+        "--output-dir"
+    )
+    assert errors == [refusal], output
+    assert "Traceback" not in output
+    assert (out / "checkpoint_last.pt").read_bytes() == before
+
+
+NO_VALIDATION = '''
+def build_datasets(args):
+    """A validation split that came out empty (say, a wrong path or filter)."""
+    images, labels = torch.randn(64, 3, 16, 16), torch.randint(NUM_CLASSES, (64,))
+    return TensorDataset(images, labels), TensorDataset(images[:0], labels[:0])
+'''
+
+
+def test_an_empty_dataset_is_one_line(tmp_path):
+    project = adapted(tmp_path, "empty", NO_VALIDATION)
+    output = train(project, tmp_path / "out", 2, "--epochs", "1", expect=1)
+    errors = [line for line in output.splitlines() if "error" in line.lower()]
+    assert errors == ["error: build_datasets() returned an empty validation set"]
+    assert "Traceback" not in output

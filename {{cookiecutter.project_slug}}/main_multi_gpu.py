@@ -51,6 +51,7 @@ from torch import nn
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousError
+from torch.distributed.run import get_args_parser
 from torch.distributed.run import main as torchrun
 {% endif %}
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -122,6 +123,9 @@ def positive(text):
     if not 0 < value < math.inf:
         raise argparse.ArgumentTypeError(f"must be above 0, not {text}")
     return value
+
+
+positive.__name__ = "float"  # argparse: "invalid float value: ..."
 
 
 def add_training_arguments(parser):
@@ -259,7 +263,8 @@ def build_datasets(args):
     Here a synthetic 10-class image task, identical on every rank for a given seed.
     For your own data, return e.g. torchvision.datasets.ImageFolder("data/train", ...)
     and ImageFolder("data/val", ...). Download data before launching, or on local rank 0
-    followed by dist.barrier(), so processes don't write the same files at once.
+    followed by dist.barrier(), so processes don't write the same files at once (a
+    download longer than --dist-timeout counts as a hang).
     """
     generator = torch.Generator().manual_seed(args.seed)
     prototypes = torch.randn(NUM_CLASSES, 3, 16, 16, generator=generator)
@@ -320,7 +325,8 @@ def compute_loss(model, batch):
 def compute_metrics(model, batch):
     """Return {name: (sum, n)} for one validation batch; each metric is summed over all
     batches and ranks and reported as val_<name> = sum / n. "loss" is required: it
-    is val_loss. `model` is the plain model, in eval mode, without grad.
+    is val_loss. `model` is the plain model (not DDP, not compiled), in eval mode,
+    without grad and without --amp's autocast.
     """
     images, labels = batch
     logits = model(images)
@@ -381,7 +387,7 @@ def setup_distributed(backend, timeout):
     return device, store
 
 
-def rendezvous_failed(err, address="node 0"):
+def rendezvous_failed(err, address):
     """The one line for a rendezvous that failed: why, and what to check."""
     reason = str(err).strip().splitlines()[0]
     if "EADDRINUSE" in reason:
@@ -599,6 +605,9 @@ def train(args, device):
     if is_main:
         # DDP change 4: the plain model's weights (not the DDP wrapper's), saved once.
         save_atomic(t.model.state_dict(), out_dir / "model_final.pt")
+{% if strategy == "final_only" %}
+        last_path.unlink(missing_ok=True)  # a stop's checkpoint, resumed to the end
+{% endif %}
         plotted = plot_losses(out_dir / "metrics.csv", out_dir / "loss.png")
         report_outputs(out_dir, plotted, args.tensorboard)
     return 0
@@ -610,6 +619,9 @@ def build_training(args, device, checkpoint):
     settle_global_batch(args, checkpoint, world_size)
     torch.manual_seed(args.seed)  # reproducible initial weights and data
     train_set, val_set = build_datasets(args)
+    for name, data in (("training", train_set), ("validation", val_set)):
+        if len(data) == 0:
+            raise failure(f"error: build_datasets() returned an empty {name} set")
     train_sampler, train_loader, val_loader = build_loaders(
         train_set, val_set, args, device
     )
@@ -726,7 +738,8 @@ def resume(t, checkpoint, out_dir):
                 f"makes ({reason}); start afresh with --resume never or another "
                 "--output-dir"
             ) from err
-        t.scaler.load_state_dict(checkpoint["scaler"])
+        if checkpoint["scaler"]:  # empty when it was saved without --amp fp16
+            t.scaler.load_state_dict(checkpoint["scaler"])
         # The position in global samples, read with this run's processes and batch.
         per_step = dist.get_world_size() * t.args.batch_size
         step, extra = divmod(checkpoint["epoch_samples"], per_step)
@@ -757,6 +770,12 @@ def restore_schedule(t, checkpoint, start):
     batch changed gets the schedule a run with its arguments would have followed from
     the start, at the update it has reached, and one line saying so."""
     args, saved = t.args, checkpoint["args"]
+    if not same_optimizer(t, checkpoint):  # build_optimizer() changed since
+        raise failure(
+            f"error: {checkpoint['path']} holds another optimizer or LR schedule than "
+            "build_optimizer() makes; start afresh with --resume never or another "
+            "--output-dir"
+        )
     # A schedule counts updates: its length and the samples per update (the global
     # batch) place a run on it. Without a scheduler, only the LR matters.
     global_batch = dist.get_world_size() * args.batch_size * args.grad_accum
@@ -785,6 +804,21 @@ def restore_schedule(t, checkpoint, start):
         f"updates of {global_batch} samples (the checkpoint's: --lr {saved['lr']}, "
         f"{was[0]} updates of {was[1]}); continuing at update {done}, LR {lr:.6g}"
     )
+
+
+def same_optimizer(t, checkpoint):
+    """Whether the checkpoint's optimizer and scheduler are of the kinds
+    build_optimizer() makes: the same settings, parameter groups and state names."""
+
+    def shape(groups):
+        return [(sorted(group), len(group["params"])) for group in groups]
+
+    saved = checkpoint["optimizer"]["param_groups"]
+    if shape(saved) != shape(t.optimizer.state_dict()["param_groups"]):
+        return False
+    if t.scheduler is None or checkpoint["scheduler"] is None:
+        return t.scheduler is None and checkpoint["scheduler"] is None
+    return sorted(checkpoint["scheduler"]) == sorted(t.scheduler.state_dict())
 
 
 @dataclass
@@ -869,6 +903,7 @@ def update(t, units):
     # units per rank, so that every update follows the mean loss over all units of
     # the global batch, for any number of processes and --grad-accum.
     dist.all_reduce(units)
+    units.clamp_(min=1)  # an update of padding alone: zero gradients, not 0 / 0
     t.scaler.unscale_(t.optimizer)  # --amp fp16: the true gradients, for clipping
     grads = [p.grad for p in t.model.parameters() if p.grad is not None]
     torch._foreach_mul_(grads, args.batch_size * dist.get_world_size() / units)
@@ -887,8 +922,8 @@ def check(t, sums, epoch, reports):
     a loss or weights that are not finite (then the run stops, saving nothing)."""
     recent = sums.recent[: sums.count]
     finite = torch.isfinite(recent).all() & all_finite(t.model.parameters())
-    flags = torch.stack([torch.tensor(STOP_SIGNAL is not None), ~finite.cpu()])
-    flags = flags.double().to(t.device)
+    stopping = float(STOP_SIGNAL is not None)
+    flags = torch.stack([finite.new_full((), stopping, dtype=torch.float64), ~finite])
     dist.all_reduce(flags)
     stop, diverged = flags.tolist()
     if diverged:
@@ -1038,20 +1073,22 @@ class Reports:
             disable=not (self.is_main and sys.stderr.isatty()),
         )
         batches = iter(loader)
-        for step in itertools.count(first_step):
-            tick = time.perf_counter()
-            batch = next(batches, None)
-            self.data_s += time.perf_counter() - tick
-            if batch is None:
-                break
-            begin = self.mark()
-            WATCH.beat()
-            yield step, batch
-            self.steps.append((begin, self.mark()))
-            self.progress.update()
-            if self.profiler:
-                self.profiler.step()
-        self.progress.close()
+        try:
+            for step in itertools.count(first_step):
+                tick = time.perf_counter()
+                batch = next(batches, None)
+                self.data_s += time.perf_counter() - tick
+                if batch is None:
+                    break
+                begin = self.mark()
+                WATCH.beat()
+                yield step, batch
+                self.steps.append((begin, self.mark()))
+                self.progress.update()
+                if self.profiler:
+                    self.profiler.step()
+        finally:  # also when the loop stops early (a stop signal, an error)
+            self.progress.close()
 
     def show_loss(self, loss):
         if not self.progress.disable:
@@ -1300,7 +1337,9 @@ class HangWatch:
     starting with [rank N]; one rank prints where each rank stood; all exit 1.
 
     Progress is a training or evaluation step (beat), or, between steps (a first
-    step's torch.compile, a long save), a change of the main thread's line. The ranks
+    step's torch.compile, a save), a change of the main thread's line. A rank that
+    waits longer than the timeout for another's slow work (rank 0 saving a huge
+    checkpoint) counts as stuck too: raise --dist-timeout for such jobs. The ranks
     agree through the rendezvous store, with no collective: theirs may be stuck.
     """
 
@@ -1537,6 +1576,8 @@ def run(args):
     faulthandler.enable()  # a crash in C code (an abort) still shows the Python stack
     device, store = setup_distributed(args.backend, args.dist_timeout)
     # From here on, SIGTERM and Ctrl-C stop training at the next check, with a save.
+    # (Before, SIGTERM ends the process at once; the rendezvous waits in C++, where a
+    # Python handler would not run.)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, on_stop_signal)
     WATCH.start(store, args.dist_timeout)
@@ -1722,7 +1763,7 @@ def launch(options, timeout):
     except SignalException:
         return 128 + stops[0]
     except (RendezvousError, dist.DistError) as err:
-        print(rendezvous_failed(err), file=sys.stderr, flush=True)
+        print(rendezvous_failed(err, endpoint(command)), file=sys.stderr, flush=True)
         return 1
     except ChildFailedError as error:
         rank, failed = min(error.failures.items(), key=lambda item: blame(item[1]))
@@ -1731,6 +1772,14 @@ def launch(options, timeout):
             return 1
         return failed.exitcode  # the worker said why
     return 0
+
+
+def endpoint(command):
+    """host:port of the rendezvous that torchrun's options name."""
+    options = get_args_parser().parse_args([*command, __file__])
+    if options.standalone:  # torchrun picks a free local port
+        return "localhost"
+    return options.rdzv_endpoint or f"{options.master_addr}:{options.master_port}"
 
 
 def blame(failed):
