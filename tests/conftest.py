@@ -2,6 +2,7 @@ import ast
 import contextlib
 import importlib.util
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -90,10 +91,12 @@ def run_jobs(commands, cwd, env=None, timeout=JOB_TIMEOUT):
     return list(zip(codes, outputs, strict=True))
 
 
-# torch 2.13 + gloo, intermittently (about 1 run in 150 here): after a job has finished
-# and saved, a rank aborts in its exit teardown with this message, or hangs there (it
-# looks like pytorch#56297: a gloo thread waiting for the GIL at exit). Such a job, and
-# only such (its output says it saved the final weights), is run again once.
+# torch 2.13 + gloo, intermittently (about 1 run in 150 here): in a process's exit
+# teardown, after the job has done its work (finished and saved, or stopped and saved),
+# a rank aborts with this message, or hangs there (it looks like pytorch#56297: a gloo
+# thread waiting for the GIL at exit). Such a job, and only such (the message, or a
+# timeout after the final weights were saved), is run again once, from its output
+# folder as it was before the first try: a resume must not find what that try wrote.
 TEARDOWN_ABORT = "terminate called without an active exception"
 
 
@@ -103,10 +106,42 @@ def failed_in_teardown(code, output):
     return not isinstance(code, int) and "model_final.pt" in output
 
 
+def output_dir(command, cwd):
+    """The --output-dir a run command names (else the scripts' default, outputs/)."""
+    for i, arg in enumerate(command):
+        if arg == "--output-dir" and i + 1 < len(command):
+            return Path(cwd) / command[i + 1]
+        if arg.startswith("--output-dir="):
+            return Path(cwd) / arg.partition("=")[2]
+    return Path(cwd) / "outputs"
+
+
+@contextlib.contextmanager
+def as_before(folders):
+    """Yields restore(), which puts each folder back as it was on entry (or removes
+    it, if it did not exist then)."""
+    with tempfile.TemporaryDirectory() as saved:
+        copies = {}
+        for n, folder in enumerate(folders):
+            if folder.exists():
+                copies[folder] = Path(saved) / str(n)
+                shutil.copytree(folder, copies[folder], symlinks=True)
+
+        def restore():
+            for folder in folders:
+                shutil.rmtree(folder, ignore_errors=True)
+                if folder in copies:
+                    shutil.copytree(copies[folder], folder, symlinks=True)
+
+        yield restore
+
+
 def run_jobs_retrying_teardown_abort(commands, cwd, env=None, timeout=JOB_TIMEOUT):
-    results = run_jobs(commands, cwd, env, timeout)
-    if any(failed_in_teardown(code, output) for code, output in results):
+    with as_before(sorted({output_dir(c, cwd) for c, _ in commands})) as restore:
         results = run_jobs(commands, cwd, env, timeout)
+        if any(failed_in_teardown(code, output) for code, output in results):
+            restore()
+            results = run_jobs(commands, cwd, env, timeout)
     return results
 
 

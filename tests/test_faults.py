@@ -5,10 +5,10 @@ checks that nothing of the job is left running once the launcher has exited."""
 
 import contextlib
 import os
-import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -17,6 +17,7 @@ import pytest
 
 from conftest import (
     act_after_step,
+    as_before,
     bake,
     edit,
     failed_in_teardown,
@@ -47,12 +48,46 @@ def watch(command, project, env, out_dir, timeout=90):
     """Run a job in its own process group. Returns (exit code, output, seconds until
     the launcher exited, processes of the job still alive 5 s after that). A job hit
     by torch's gloo teardown abort (conftest.failed_in_teardown, as in run_job) runs
-    again once, from an empty output folder."""
-    result = watch_once(command, project, env, timeout)
-    if failed_in_teardown(*result[:2]):
-        shutil.rmtree(out_dir, ignore_errors=True)
+    again once, from its output folder as it was before."""
+    with as_before([out_dir]) as restore:
         result = watch_once(command, project, env, timeout)
+        if failed_in_teardown(*result[:2]):
+            restore()
+            result = watch_once(command, project, env, timeout)
     return result
+
+
+# A stand-in job: it shows what it finds in its output folder, changes it, and the
+# first time ends with torch's teardown abort message.
+FLAKY_JOB = """
+import pathlib, sys
+out = pathlib.Path(sys.argv[2])
+tries = out.parent / "tries"
+tried = int(tries.read_text()) if tries.exists() else 0
+tries.write_text(str(tried + 1))
+print(sorted(p.name for p in out.iterdir()), (out / "kept").read_text())
+(out / "kept").write_text("changed")
+(out / "new").touch()
+if not tried:
+    print("terminate called without an active exception")
+"""
+
+
+@pytest.mark.parametrize("runner", ["run_job", "watch"])
+def test_a_rerun_after_the_teardown_abort_starts_from_the_folder_as_before(
+    tmp_path, runner
+):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "kept").write_text("as before")
+    command = [sys.executable, "-c", FLAKY_JOB, "--output-dir", str(out)]
+    if runner == "run_job":
+        code, output = run_job(command, tmp_path)
+    else:
+        code, output, _, _ = watch(command, tmp_path, {}, out)
+    assert (tmp_path / "tries").read_text() == "2"
+    assert (code, output) == (0, "['kept'] as before\n")  # the second try's
+    assert (out / "kept").read_text() == "changed" and (out / "new").exists()
 
 
 def watch_once(command, project, env, timeout):
