@@ -1,5 +1,6 @@
 import ast
 import contextlib
+import csv
 import importlib.util
 import os
 import shutil
@@ -149,6 +150,23 @@ def run_job(command, cwd, env=None, timeout=JOB_TIMEOUT):
     return run_jobs_retrying_teardown_abort(
         [(command, env or {})], cwd, timeout=timeout
     )[0]
+
+
+def run_single(project, out_dir, nproc, *args, env=None, expect=0):
+    """./run_single.sh on nproc processes, writing to out_dir, as a user runs it:
+    asserts its exit status and returns its output."""
+    command = ["./run_single.sh", *args, "--output-dir", str(out_dir)]
+    code, output = run_job(
+        command, project, {"NPROC_PER_NODE": str(nproc), **(env or {})}
+    )
+    assert code == expect, output
+    return output
+
+
+def metrics(out_dir):
+    """The rows of a run's metrics.csv, as dicts of strings."""
+    with (out_dir / "metrics.csv").open(newline="") as f:
+        return list(csv.DictReader(f))
 
 
 def load_module(project):

@@ -5,7 +5,6 @@ where the global batch cannot be kept, it refuses in one line. Models without
 BatchNorm, whose statistics would depend on the split. Both launchers: the middle of
 an epoch, the hardest case, on each; the rest on one (the logic is shared)."""
 
-import csv
 import shutil
 
 import pytest
@@ -15,7 +14,8 @@ from conftest import (
     bake,
     load_weights,
     max_difference,
-    run_job,
+    metrics,
+    run_single,
     without_batchnorm,
 )
 
@@ -55,25 +55,15 @@ def reference(projects, tmp_path_factory):
         key = (nproc, tuple(args))
         if key not in cache:
             out = root / f"run{len(cache)}"
-            train(projects["torchrun"], out, nproc, *args)
+            run_single(projects["torchrun"], out, nproc, *args)
             cache[key] = load_weights(out / "model_final.pt"), val_losses(out)
         return cache[key]
 
     return result
 
 
-def train(project, out_dir, nproc, *args, env=None, expect=0):
-    command = ["./run_single.sh", *args, "--output-dir", str(out_dir)]
-    code, output = run_job(
-        command, project, {"NPROC_PER_NODE": str(nproc), **(env or {})}
-    )
-    assert code == expect, output
-    return output
-
-
 def val_losses(out_dir):
-    with (out_dir / "metrics.csv").open(newline="") as f:
-        return [float(row["val_loss"]) for row in csv.DictReader(f)]
+    return [float(row["val_loss"]) for row in metrics(out_dir)]
 
 
 def assert_same_end(out_dir, expected):
@@ -94,8 +84,8 @@ KEPT_1_TO_2 = (
 
 def test_two_processes_then_one_at_an_epoch_boundary(projects, reference, tmp_path):
     out = tmp_path / "out"
-    train(projects["torchrun"], out, 2, *SHORT[:1], "1", *SHORT[2:])
-    output = train(projects["torchrun"], out, 1, *SHORT)
+    run_single(projects["torchrun"], out, 2, *SHORT[:1], "1", *SHORT[2:])
+    output = run_single(projects["torchrun"], out, 1, *SHORT)
     assert output.count(KEPT_2_TO_1) == 1, output
     assert "after epoch 1" in output
     assert_same_end(out, reference(2, SHORT))
@@ -104,8 +94,8 @@ def test_two_processes_then_one_at_an_epoch_boundary(projects, reference, tmp_pa
 def test_one_process_then_two_at_an_epoch_boundary(projects, reference, tmp_path):
     out = tmp_path / "out"
     first = [*SHORT[:1], "1", *SHORT[2:], "--grad-accum", "2"]
-    train(projects["torchrun"], out, 1, *first)
-    output = train(projects["torchrun"], out, 2, *SHORT)  # --grad-accum derived
+    run_single(projects["torchrun"], out, 1, *first)
+    output = run_single(projects["torchrun"], out, 2, *SHORT)  # --grad-accum derived
     assert output.count(KEPT_1_TO_2) == 1, output
     assert_same_end(out, reference(2, SHORT))
 
@@ -117,11 +107,11 @@ def test_two_processes_then_one_in_the_middle_of_an_epoch(
     """Stopped by SIGTERM 20 steps into epoch 2 (320 samples of 512), resumed by one
     process at its step 40: the same samples, the same updates."""
     out = tmp_path / "out"
-    output = train(
+    output = run_single(
         projects[launcher], out, 2, *LONG, env=SIGTERM_IN_EPOCH_2, expect=143
     )
     assert "preempted: saved" in output and "in epoch 2 after 20 steps" in output
-    output = train(projects[launcher], out, 1, *LONG)
+    output = run_single(projects[launcher], out, 1, *LONG)
     assert output.count(KEPT_2_TO_1) == 1, output
     assert "in epoch 2 after 40 steps" in output
     assert_same_end(out, reference(2, LONG))
@@ -130,11 +120,11 @@ def test_two_processes_then_one_in_the_middle_of_an_epoch(
 def test_one_process_then_two_in_the_middle_of_an_epoch(projects, reference, tmp_path):
     out = tmp_path / "out"
     first = [*LONG, "--grad-accum", "2"]
-    output = train(
+    output = run_single(
         projects["torchrun"], out, 1, *first, env=SIGTERM_IN_EPOCH_2, expect=143
     )
     assert "in epoch 2 after 40 steps" in output  # 20 updates of 2 micro-batches
-    output = train(projects["torchrun"], out, 2, *LONG)
+    output = run_single(projects["torchrun"], out, 2, *LONG)
     assert output.count(KEPT_1_TO_2) == 1, output
     assert "in epoch 2 after 20 steps" in output
     assert_same_end(out, reference(2, LONG))
@@ -144,8 +134,8 @@ def test_three_processes_take_a_global_batch_they_divide(projects, reference, tm
     """24 = 2 x 12 x 1 = 3 x 4 x 2; 96 samples, so no process gets a padded share."""
     args = [*COMMON, "--train-size", "96", "--batch-size", "12"]
     out = tmp_path / "out"
-    train(projects["torchrun"], out, 2, *args[:1], "1", *args[2:])
-    output = train(projects["torchrun"], out, 3, *args[:-1], "4")
+    run_single(projects["torchrun"], out, 2, *args[:1], "1", *args[2:])
+    output = run_single(projects["torchrun"], out, 3, *args[:-1], "4")
     kept = (
         "resume: global batch 24 kept: 3 processes x batch 4 x grad-accum 2 (the "
         "checkpoint had 2 processes x batch 12 x grad-accum 1)"
@@ -156,10 +146,10 @@ def test_three_processes_take_a_global_batch_they_divide(projects, reference, tm
 
 def test_three_processes_cannot_split_sixteen(projects, tmp_path):
     out = tmp_path / "out"
-    train(projects["spawn"], out, 2, *SHORT[:1], "1", *SHORT[2:])
+    run_single(projects["spawn"], out, 2, *SHORT[:1], "1", *SHORT[2:])
     kept = out / "kept.pt"
     shutil.copy(out / "checkpoint_last.pt", kept)
-    output = train(projects["spawn"], out, 3, *SHORT, expect=2)
+    output = run_single(projects["spawn"], out, 3, *SHORT, expect=2)
     refusal = (
         "error: the checkpoint's global batch is 16 (2 processes x batch 8 x "
         "grad-accum 1); 3 processes x batch 8 x grad-accum 1 make 24: use a number of "

@@ -3,7 +3,6 @@
 setting that keeps page faults out of the CPU step. (--grad-accum: test_workbench.py
 and test_elastic.py.) Speed itself is measured in bench/, never here."""
 
-import csv
 import json
 import math
 import os
@@ -21,7 +20,9 @@ from conftest import (
     edit,
     load_weights,
     max_difference,
+    metrics,
     run_job,
+    run_single,
 )
 
 COMMON = ["--num-workers", "0", "--val-size", "37", "--train-size", "64"]
@@ -29,17 +30,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def train(project, out_dir, *args, nproc=2, env=None):
-    command = ["./run_single.sh", *args, "--output-dir", str(out_dir)]
-    code, output = run_job(
-        command, project, {"NPROC_PER_NODE": str(nproc), **(env or {})}
-    )
-    assert code == 0, output
-    return output
-
-
-def metrics(out_dir):
-    with (out_dir / "metrics.csv").open(newline="") as f:
-        return list(csv.DictReader(f))
+    return run_single(project, out_dir, nproc, *args, env=env)
 
 
 def without_modules(tmp_path, *names):

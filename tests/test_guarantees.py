@@ -2,8 +2,6 @@
 batch, a resumed run equals an uninterrupted one, and evaluation is exact for any
 world size. CPU and gloo; the SyncBatchNorm case needs a GPU."""
 
-import csv
-
 import pytest
 import torch
 
@@ -13,7 +11,8 @@ from conftest import (
     load_module,
     load_weights,
     max_difference,
-    run_job,
+    metrics,
+    run_single,
     without_batchnorm,
 )
 
@@ -23,15 +22,7 @@ SAME = ("epoch", "train_loss", "val_loss", "val_acc", "lr")  # samples_per_s var
 
 
 def train(project, out_dir, nproc, *args):
-    command = ["./run_single.sh", *COMMON, *args, "--output-dir", str(out_dir)]
-    code, output = run_job(command, project, {"NPROC_PER_NODE": str(nproc)})
-    assert code == 0, output
-    return output
-
-
-def metrics(out_dir):
-    with (out_dir / "metrics.csv").open(newline="") as f:
-        return list(csv.DictReader(f))
+    return run_single(project, out_dir, nproc, *COMMON, *args)
 
 
 def initial_weights(project):

@@ -11,8 +11,6 @@ then trained on 2 workers, resumed, and, where the model allows it, shown equal 
 - the default task with its batches as lists, and as dicts.
 Also what a resume does when the schedule's arguments or the global batch change."""
 
-import csv
-
 import pytest
 import torch
 
@@ -23,8 +21,9 @@ from conftest import (
     load_module,
     load_weights,
     max_difference,
+    metrics,
     replace_user_functions,
-    run_job,
+    run_single,
     without_batchnorm,
 )
 
@@ -162,9 +161,10 @@ def build_optimizer(model, args, total_updates):
     return optimizer, scheduler
 '''
 
-AS_LIST = '''
+# The default data with each item as ITEM: build_datasets for the sources below.
+DEFAULT_DATA_AS = '''
 def build_datasets(args):
-    """The default data, each item a list [image, label]."""
+    """The default data, each item ITEM."""
     generator = torch.Generator().manual_seed(args.seed)
     prototypes = torch.randn(NUM_CLASSES, 3, 16, 16, generator=generator)
 
@@ -172,10 +172,14 @@ def build_datasets(args):
         labels = torch.randint(NUM_CLASSES, (size,), generator=generator)
         noise = torch.randn(size, 3, 16, 16, generator=generator)
         images = prototypes[labels] + 2 * noise
-        return [[image, label] for image, label in zip(images, labels)]
+        return [ITEM for image, label in zip(images, labels)]
 
     return make(args.train_size), make(args.val_size)
+'''
 
+AS_LIST = (
+    DEFAULT_DATA_AS.replace("ITEM", "[image, label]")
+    + """
 
 def compute_loss(model, batch):
     assert isinstance(batch, list)
@@ -190,22 +194,12 @@ def compute_metrics(model, batch):
         "loss": (F.cross_entropy(logits, labels, reduction="sum"), len(labels)),
         "acc": ((logits.argmax(dim=1) == labels).sum(), len(labels)),
     }
-'''
+"""
+)
 
-AS_DICT = '''
-def build_datasets(args):
-    """The default data, each item a dict {"image": ..., "label": ...}."""
-    generator = torch.Generator().manual_seed(args.seed)
-    prototypes = torch.randn(NUM_CLASSES, 3, 16, 16, generator=generator)
-
-    def make(size):
-        labels = torch.randint(NUM_CLASSES, (size,), generator=generator)
-        noise = torch.randn(size, 3, 16, 16, generator=generator)
-        images = prototypes[labels] + 2 * noise
-        return [{"image": x, "label": y} for x, y in zip(images, labels)]
-
-    return make(args.train_size), make(args.val_size)
-
+AS_DICT = (
+    DEFAULT_DATA_AS.replace("ITEM", '{"image": image, "label": label}')
+    + """
 
 def compute_loss(model, batch):
     return F.cross_entropy(model(batch["image"]), batch["label"]), len(batch["label"])
@@ -217,7 +211,8 @@ def compute_metrics(model, batch):
         "loss": (F.cross_entropy(logits, labels, reduction="sum"), len(labels)),
         "acc": ((logits.argmax(dim=1) == labels).sum(), len(labels)),
     }
-'''
+"""
+)
 
 
 def adapted(tmp_path, name, source, **answers):
@@ -227,17 +222,7 @@ def adapted(tmp_path, name, source, **answers):
 
 
 def train(project, out_dir, nproc, *args, expect=0, env=None):
-    command = ["./run_single.sh", *COMMON, *args, "--output-dir", str(out_dir)]
-    code, output = run_job(
-        command, project, {"NPROC_PER_NODE": str(nproc), **(env or {})}
-    )
-    assert code == expect, output
-    return output
-
-
-def metrics(out_dir):
-    with (out_dir / "metrics.csv").open(newline="") as f:
-        return list(csv.DictReader(f))
+    return run_single(project, out_dir, nproc, *COMMON, *args, env=env, expect=expect)
 
 
 def final(out_dir):
