@@ -503,8 +503,9 @@ def loader_worker_init(worker_id):
 
 
 def broadcast_bytes(data, device):
-    """Rank 0's bytes, on every rank (None where rank 0 has None): a size, then the
-    bytes as a uint8 tensor. (all_gather_object and friends would need NumPy.)"""
+    """Rank 0's bytes, on every rank, as a bytearray (None where rank 0 has None): a
+    size, then the bytes as a uint8 tensor. (all_gather_object and friends would need
+    NumPy.)"""
     size = torch.tensor(-1 if data is None else len(data), device=device)
     dist.broadcast(size, src=0)
     if size.item() < 0:
@@ -514,7 +515,7 @@ def broadcast_bytes(data, device):
         received = torch.frombuffer(buffer, dtype=torch.uint8).to(device)
         dist.broadcast(received, src=0)
         torch.frombuffer(buffer, dtype=torch.uint8).copy_(received)
-    return bytes(buffer)
+    return buffer
 
 
 # --------------------------------------------------------------------------------------
@@ -983,15 +984,16 @@ def evaluate(model, loader, device):
         WATCH.beat()
         metrics = compute_metrics(model, to_device(batch, device))
         for name, (total, n) in metrics.items():
-            pair = sums.setdefault(name, torch.zeros(2, dtype=torch.float64).to(device))
-            pair[0] += total
-            pair[1] += n
+            if name not in sums:
+                sums[name] = torch.zeros(2, dtype=torch.float64, device=device)
+            sums[name][0] += total
+            sums[name][1] += n
     model.train()
     # Rank 0 always has validation data; a rank without any takes its names.
     names = broadcast_bytes("\n".join(sums).encode(), device).decode().split("\n")
     if "loss" not in names:
         raise failure("error: compute_metrics must return a 'loss' entry")
-    zero = torch.zeros(2, dtype=torch.float64).to(device)
+    zero = torch.zeros(2, dtype=torch.float64, device=device)
     totals = torch.stack([sums.get(name, zero) for name in names])
     dist.all_reduce(totals)  # sum over ranks
     return {name: s / n for name, (s, n) in zip(names, totals.tolist(), strict=True)}
@@ -1285,8 +1287,7 @@ def plot_losses(metrics_path, png_path):
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    with metrics_path.open(newline="") as f:
-        rows = list(csv.DictReader(f))
+    rows = read_metrics(metrics_path)
     epochs = [int(row["epoch"]) for row in rows]
     figure, axes = plt.subplots(figsize=(6, 4))
     for key in ("train_loss", "val_loss"):
@@ -1384,7 +1385,7 @@ class HangWatch:
         """Print this rank's stack, say where it stands, and end the job. Rank 0
         summarizes, and leaves last: it may hold the store the others use."""
         self.reporting = True
-        where, kind = locate(sys._current_frames()[threading.main_thread().ident])
+        where, kind = locate(main_frame())
         print_stacks(self.rank, loader_workers=kind == LOADER)
         try:
             self.store.set(self.key(f"where/{self.rank}"), f"{kind}\t{where}")
@@ -1445,9 +1446,14 @@ class HangWatch:
 WATCH = HangWatch()
 
 
+def main_frame():
+    """The main thread's innermost frame, seen from another thread."""
+    return sys._current_frames()[threading.main_thread().ident]
+
+
 def main_line():
     """The main thread's innermost line: the same one, for long, means no progress."""
-    frame = sys._current_frames()[threading.main_thread().ident]
+    frame = main_frame()
     return frame.f_code, frame.f_lineno
 
 
