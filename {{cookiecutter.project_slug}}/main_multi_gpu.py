@@ -75,179 +75,6 @@ from torch.utils.data import (
 {% endif %}
 from tqdm import tqdm
 
-LOG_EVERY = 20  # optimizer updates between progress reports and checks (each waits)
-COLLECTIVE_GRACE = 30  # seconds a collective may wait beyond --dist-timeout
-STOP_SIGNAL = None  # the first SIGTERM or SIGINT received: stop, save, exit 128 + it
-CHANNELS_LAST = True  # on GPUs, 2-D convolutions in NHWC: faster
-AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def parse_args(argv=None):
-    """The command line. A value that cannot work stops the run here, before anything
-    starts: one line, exit status 2."""
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.error = usage_error
-    add_training_arguments(parser)
-    add_running_arguments(parser)
-    args = parser.parse_args(argv)
-{% if spawn and multi %}
-    if args.node_rank >= args.nnodes:
-        usage_error(f"argument --node-rank: must be below --nnodes {args.nnodes}")
-{% endif %}
-    return args
-
-
-def usage_error(message):
-    """argparse's errors and ours: one line (rank 0), exit 2, before anything starts."""
-    raise failure(f"error: {message} (see --help)", status=2)
-
-
-def at_least(least, most=math.inf):
-    """An argparse type: a whole number from `least` (to `most`)."""
-
-    def number(text):
-        value = int(text)
-        if not least <= value <= most:
-            top = "" if most == math.inf else f" and at most {most}"
-            message = f"must be at least {least}{top}, not {value}"
-            raise argparse.ArgumentTypeError(message)
-        return value
-
-    number.__name__ = "int"  # argparse: "invalid int value: ..."
-    return number
-
-
-def positive(text):
-    """An argparse type: a number above 0 (and finite)."""
-    value = float(text)
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be above 0, not {text}")
-    return value
-
-
-positive.__name__ = "float"  # argparse: "invalid float value: ..."
-
-
-def add_training_arguments(parser):
-    parser.add_argument("--epochs", type=at_least(1), default=10)
-    parser.add_argument(
-        "--batch-size", type=at_least(1), default=32, help="per process"
-    )
-    parser.add_argument("--lr", type=positive, default=0.1)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--num-workers", type=at_least(0), default=2, help="per process"
-    )
-    parser.add_argument("--train-size", type=at_least(1), default=2048)
-    parser.add_argument("--val-size", type=at_least(1), default=512)
-    parser.add_argument("--output-dir", default="outputs")
-    parser.add_argument(
-        "--amp",
-        choices=tuple(AMP_DTYPES),
-        default="none",
-        help="mixed precision: autocast to bfloat16 or float16 (with loss scaling)",
-    )
-    parser.add_argument(
-        "--grad-accum",
-        type=at_least(1),
-        metavar="N",
-        help="micro-batches per optimizer update (default 1; when resuming, what "
-        "keeps the checkpoint's global batch of processes x batch x N)",
-    )
-    parser.add_argument(
-        "--allow-batch-change",
-        action="store_true",
-        help="resume with a global batch other than the checkpoint's",
-    )
-    parser.add_argument(
-        "--clip-grad-norm",
-        type=positive,
-        metavar="F",
-        help="clip the gradient norm to F before each update (default: off)",
-    )
-    parser.add_argument(
-        "--compile", action="store_true", help="torch.compile the DDP model"
-    )
-    parser.add_argument(
-        "--profile-steps",
-        type=at_least(0),
-        default=0,
-        metavar="N",
-        help="write a torch.profiler trace of N steps of rank 0 to OUTPUT_DIR/profile",
-    )
-    parser.add_argument(
-        "--tensorboard",
-        action="store_true",
-        help="also log metrics to OUTPUT_DIR/tensorboard (needs tensorboard)",
-    )
-    parser.add_argument(
-        "--resume",
-        default="auto",
-        metavar="{auto,never,PATH}",
-        help="auto: continue from OUTPUT_DIR/checkpoint_last.pt when it exists",
-    )
-
-
-def add_running_arguments(parser):
-    parser.add_argument(
-        "--backend",
-        choices=("auto", "nccl", "gloo"),
-        default="auto",
-        help="auto: nccl when CUDA is usable, else gloo",
-    )
-    parser.add_argument(
-        "--dist-timeout",
-        type=positive,
-        default=os.environ.get("DIST_TIMEOUT", "600"),
-        help="seconds to wait for the other processes at start-up, and that a process "
-        "may go without progress before the job ends with a report of where each "
-        "one was (default: $DIST_TIMEOUT, else 600)",
-    )
-    parser.add_argument(
-        "--preflight",
-        action="store_true",
-        help="check every rank and the network, print a table, exit without training",
-    )
-{% if spawn %}
-    parser.add_argument(
-        "--nproc-per-node",
-        type=at_least(1),
-        default=torch.cuda.device_count() or 2,
-        help="processes on this machine (default: one per GPU, or 2 on CPU)",
-    )
-{% if multi %}
-    parser.add_argument(
-        "--nnodes", type=at_least(1), default=1, help="machines taking part"
-    )
-    parser.add_argument(
-        "--node-rank", type=at_least(0), default=0, help="0 to nnodes - 1"
-    )
-    parser.add_argument("--master-addr", default="127.0.0.1", help="node 0's address")
-    parser.add_argument(
-        "--master-port",
-        type=at_least(1, 65535),
-        help="port on node 0 (default: a free port; 29500 when nnodes > 1)",
-    )
-{% else %}
-    parser.add_argument(
-        "--master-port", type=at_least(1, 65535), help="default: a free port"
-    )
-{% endif %}
-    # Accepted for torch.distributed.launch compatibility and ignored: workers get their
-    # rank from mp.spawn.
-{% else %}
-    parser.add_argument(
-        "--torchrun",
-        metavar="OPTIONS",
-        help="run torchrun with these options in this process, to start the workers "
-        "(as the run scripts do)",
-    )
-    # DDP change 1: torch.distributed.launch passes --local-rank=N; LOCAL_RANK from the
-    # environment (set by torchrun and by torch.distributed.launch) is what counts.
-{% endif %}
-    parser.add_argument("--local-rank", "--local_rank", help=argparse.SUPPRESS)
-
-
 # --------------------------------------------------------------------------------------
 # EDIT HERE: the five functions that make this project yours. Replace their bodies with
 # your data, model, optimizer, loss and metrics; the rest of the file works unchanged.
@@ -338,8 +165,49 @@ def compute_metrics(model, batch):
 
 
 # --------------------------------------------------------------------------------------
-# Distributed plumbing
+# The training loop, and the four DDP changes
 # --------------------------------------------------------------------------------------
+LOG_EVERY = 20  # optimizer updates between progress reports and checks (each waits)
+CHANNELS_LAST = True  # on GPUs, 2-D convolutions in NHWC: faster
+AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def run(args):
+    """One process's life: join the group, train (or check), always leave the group.
+
+    Returns the exit status: 0, 1 when another rank was lost, or 128 + the signal
+    that stopped training.
+    """
+    keep_freed_memory()  # before any tensor, and so before any DataLoader worker
+    faulthandler.enable()  # a crash in C code (an abort) still shows the Python stack
+    device, store = setup_distributed(args.backend, args.dist_timeout)
+    # From here on, SIGTERM and Ctrl-C stop training at the next check, with a save.
+    # (Before, SIGTERM ends the process at once; the rendezvous waits in C++, where a
+    # Python handler would not run.)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, on_stop_signal)
+    WATCH.start(store, args.dist_timeout)
+    try:
+        if args.preflight:
+            preflight(device, dist.get_backend())
+            status = 0
+        else:
+            status = train(args, device)
+        dist.barrier()  # everyone finishes together, after rank 0's last save
+    except RuntimeError as err:
+        if not lost_peer(err):
+            raise
+        if WATCH.reporting:  # the other ranks left after a hang report: finish it
+            WATCH.thread.join()
+        report_lost_peer(err)
+        status = 1
+    finally:
+        WATCH.stop()
+        stop_loader_workers()
+        dist.destroy_process_group()
+    return status
+
+
 def setup_distributed(backend, timeout):
     """DDP change 1: join the process group and pick this process's device.
 
@@ -406,121 +274,12 @@ def rendezvous_failed(err, address):
 {% endif %}
 
 
-def failure(message, status=1):
-    """The exit for a clear error: rank 0 alone prints why, once, and every rank exits
-    with `status` (2: an argument that cannot work)."""
-    if os.environ.get("RANK", "0") == "0":
-        print(message, file=sys.stderr, flush=True)
-    return SystemExit(status)
-
-
 def print0(*args, **kwargs):
     """DDP change 4: only rank 0 prints, so messages appear once, not once per rank."""
     if dist.get_rank() == 0:
         print(*args, **kwargs, flush=True)
 
 
-def to_device(batch, device):
-    """Move every tensor of a batch (a tensor, or tuples, lists and dicts of them)."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, Mapping):  # dict, or e.g. transformers' BatchEncoding
-        return {key: to_device(value, device) for key, value in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        moved = [to_device(value, device) for value in batch]
-        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
-    return batch
-
-
-class ResumableSampler(Sampler):
-    """The shard of a DistributedSampler, from a given position: a run stopped
-    mid-epoch resumes with the next batch, without reading the ones already done."""
-
-    def __init__(self, sampler):
-        self.sampler, self.start = sampler, 0
-
-    def set_epoch(self, epoch, start=0):
-        self.sampler.set_epoch(epoch)
-        self.start = start
-
-    def __iter__(self):
-        return itertools.islice(self.sampler, self.start, None)
-
-    def __len__(self):
-        return len(self.sampler) - self.start
-
-
-def build_loaders(train_set, val_set, args, device):
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    common = {
-        "num_workers": args.num_workers,
-        "pin_memory": device.type == "cuda",
-        "worker_init_fn": loader_worker_init,
-    }
-    # DDP change 2: each rank reads a different 1/world_size of the training set
-    # (a single-GPU script would pass shuffle=True to the DataLoader instead).
-    shard = DistributedSampler(train_set, shuffle=True, seed=args.seed)
-    train_sampler = ResumableSampler(shard)
-{% if cookiecutter.use_batch_sampler %}
-    batch_sampler = BatchSampler(train_sampler, args.batch_size, drop_last=False)
-    train_loader = DataLoader(
-        train_set,
-        batch_sampler=batch_sampler,
-        collate_fn=getattr(train_set, "collate_fn", None),
-        **common,
-    )
-{% else %}
-    train_loader = DataLoader(
-        train_set,
-        batch_size=args.batch_size,
-        sampler=train_sampler,
-        collate_fn=getattr(train_set, "collate_fn", None),
-        **common,
-    )
-{% endif %}
-    # Validation shards take every world_size-th sample with no padding, so the summed
-    # metrics count each sample exactly once (DistributedSampler would repeat some).
-    val_shard = Subset(val_set, range(rank, len(val_set), world_size))
-    val_loader = DataLoader(
-        val_shard,
-        batch_size=args.batch_size,
-        collate_fn=getattr(val_set, "collate_fn", None),
-        **common,
-    )
-    return train_sampler, train_loader, val_loader
-
-
-def loader_worker_init(worker_id):
-    """DataLoader workers keep serving batches on SIGTERM and Ctrl-C: the training
-    process stops at its next check, saves, and shuts them down itself. On Linux they
-    also die with it: a forked worker holds copies of its sockets, and left alive it
-    would keep the other ranks waiting for a rank that is gone."""
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, signal.SIG_IGN)
-    faulthandler.register(signal.SIGUSR1, all_threads=False)  # for the hang watch
-    if sys.platform == "linux":
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-def broadcast_bytes(data, device):
-    """Rank 0's bytes, on every rank, as a bytearray (None where rank 0 has None): a
-    size, then the bytes as a uint8 tensor. (all_gather_object and friends would need
-    NumPy.)"""
-    size = torch.tensor(-1 if data is None else len(data), device=device)
-    dist.broadcast(size, src=0)
-    if size.item() < 0:
-        return None
-    buffer = bytearray(data) if dist.get_rank() == 0 else bytearray(size.item())
-    if buffer:
-        received = torch.frombuffer(buffer, dtype=torch.uint8).to(device)
-        dist.broadcast(received, src=0)
-        torch.frombuffer(buffer, dtype=torch.uint8).copy_(received)
-    return buffer
-
-
-# --------------------------------------------------------------------------------------
-# Training
-# --------------------------------------------------------------------------------------
 @dataclass
 class Training:
     """What the loop works with, built once by build_training()."""
@@ -532,7 +291,7 @@ class Training:
     optimizer: torch.optim.Optimizer
     scheduler: object  # an LR scheduler, or None
     scaler: torch.amp.GradScaler
-    train_sampler: ResumableSampler
+    train_sampler: Sampler  # a ResumableSampler
     train_loader: DataLoader
     val_loader: DataLoader
     steps_per_epoch: int  # micro-batches per epoch and rank
@@ -678,148 +437,86 @@ def build_training(args, device, checkpoint):
     )
 
 
-def settle_global_batch(args, checkpoint, world_size):
-    """Set args.grad_accum. A resumed run keeps the checkpoint's global batch (processes
-    x batch x grad-accum), whatever its number of processes: then every update trains
-    on the same samples as before, in the same order. It derives the grad-accum that
-    does so, or refuses in one line unless --allow-batch-change."""
-    if checkpoint is None:
-        args.grad_accum = args.grad_accum or 1
-        return
-    old = checkpoint["global_batch"]  # [processes, batch, grad-accum]
-    target, per_update = math.prod(old), world_size * args.batch_size
-    if args.grad_accum is None:
-        args.grad_accum = max(1, target // per_update)
-    new = [world_size, args.batch_size, args.grad_accum]
-    if math.prod(new) != target and not args.allow_batch_change:
-        if target % world_size:
-            hint = f"use a number of processes that divides {target}"
-        else:
-            hint = f"e.g. --batch-size {target // world_size} --grad-accum 1"
-        raise failure(
-            f"error: the checkpoint's global batch is {target} ({describe(old)}); "
-            f"{describe(new)} make {math.prod(new)}: {hint}, or pass "
-            f"--allow-batch-change to go on with {math.prod(new)}",
-            status=2,
-        )
-    if new != old:
-        kept = "kept" if math.prod(new) == target else f"changed from {target}"
-        print0(
-            f"resume: global batch {math.prod(new)} {kept}: {describe(new)} "
-            f"(the checkpoint had {describe(old)})"
-        )
-
-
-def describe(global_batch):
-    processes, batch, accum = global_batch
-    noun = "process" if processes == 1 else "processes"
-    return f"{processes} {noun} x batch {batch} x grad-accum {accum}"
-
-
-@dataclass
-class Start:
-    """Where training starts: after `epoch` epochs and `step` steps into the next."""
-
-    epoch: int = 0
-    step: int = 0  # > 0 after a mid-epoch stop
-    sums: tuple = (0.0, 0.0)  # loss sum and units of those steps, all ranks
-
-
-def resume(t, checkpoint, out_dir):
-    """Restore the state a checkpoint holds, and trim metrics.csv to its epochs."""
-    if checkpoint is None:
-        start = Start()
-    else:
-        try:
-            t.model.load_state_dict(checkpoint["model"])
-        except RuntimeError as err:  # build_model() changed since it was saved
-            reason = str(err).strip().splitlines()[-1].strip()
-            raise failure(
-                f"error: {checkpoint['path']} does not fit the model build_model() "
-                f"makes ({reason}); start afresh with --resume never or another "
-                "--output-dir"
-            ) from err
-        if checkpoint["scaler"]:  # empty when it was saved without --amp fp16
-            t.scaler.load_state_dict(checkpoint["scaler"])
-        # The position in global samples, read with this run's processes and batch.
-        per_step = dist.get_world_size() * t.args.batch_size
-        step, extra = divmod(checkpoint["epoch_samples"], per_step)
-        if extra:
-            print0(f"resume: {extra} samples of this epoch are trained again")
-        start = Start(checkpoint["epoch"], step, tuple(checkpoint["train_sums"]))
-{% if strategy == "best" %}
-        t.best_val_loss = checkpoint.get("best_val_loss", math.inf)
+def build_loaders(train_set, val_set, args, device):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    common = {
+        "num_workers": args.num_workers,
+        "pin_memory": device.type == "cuda",
+        "worker_init_fn": loader_worker_init,
+    }
+    # DDP change 2: each rank reads a different 1/world_size of the training set
+    # (a single-GPU script would pass shuffle=True to the DataLoader instead).
+    shard = DistributedSampler(train_set, shuffle=True, seed=args.seed)
+    train_sampler = ResumableSampler(shard)
+{% if cookiecutter.use_batch_sampler %}
+    batch_sampler = BatchSampler(train_sampler, args.batch_size, drop_last=False)
+    train_loader = DataLoader(
+        train_set,
+        batch_sampler=batch_sampler,
+        collate_fn=getattr(train_set, "collate_fn", None),
+        **common,
+    )
+{% else %}
+    train_loader = DataLoader(
+        train_set,
+        batch_size=args.batch_size,
+        sampler=train_sampler,
+        collate_fn=getattr(train_set, "collate_fn", None),
+        **common,
+    )
 {% endif %}
-        restore_schedule(t, checkpoint, start)
-        where = f"after epoch {start.epoch}"
-        if start.step:
-            where = f"in epoch {start.epoch + 1} after {start.step} steps"
-        print0(f"resumed from {checkpoint['path']} {where}")
-        if start.epoch >= t.args.epochs:
-            print0(
-                f"resume: all {start.epoch} epochs are done, nothing to train; a "
-                "larger --epochs goes on, --resume never starts afresh"
-            )
-    if dist.get_rank() == 0:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        start_metrics(out_dir / "metrics.csv", start.epoch)
-    return start
-
-
-def restore_schedule(t, checkpoint, start):
-    """The optimizer's state and the LR schedule. A run whose --epochs, --lr or global
-    batch changed gets the schedule a run with its arguments would have followed from
-    the start, at the update it has reached, and one line saying so."""
-    args, saved = t.args, checkpoint["args"]
-    if not same_optimizer(t, checkpoint):  # build_optimizer() changed since
-        raise failure(
-            f"error: {checkpoint['path']} holds another optimizer or LR schedule than "
-            "build_optimizer() makes; start afresh with --resume never or another "
-            "--output-dir"
-        )
-    # A schedule counts updates: its length and the samples per update (the global
-    # batch) place a run on it. Without a scheduler, only the LR matters.
-    global_batch = dist.get_world_size() * args.batch_size * args.grad_accum
-    was = checkpoint["total_updates"], math.prod(checkpoint["global_batch"])
-    same_length = was == (t.total_updates, global_batch)
-    if saved["lr"] == args.lr and (same_length or not t.scheduler):
-        t.optimizer.load_state_dict(checkpoint["optimizer"])
-        if t.scheduler:
-            t.scheduler.load_state_dict(checkpoint["scheduler"])
-        return
-    # Keep the optimizer's statistics (momentum, Adam moments); take the new settings.
-    fresh = t.optimizer.state_dict()["param_groups"]
-    t.optimizer.load_state_dict(
-        {"state": checkpoint["optimizer"]["state"], "param_groups": fresh}
+    # Validation shards take every world_size-th sample with no padding, so the summed
+    # metrics count each sample exactly once (DistributedSampler would repeat some).
+    val_shard = Subset(val_set, range(rank, len(val_set), world_size))
+    val_loader = DataLoader(
+        val_shard,
+        batch_size=args.batch_size,
+        collate_fn=getattr(val_set, "collate_fn", None),
+        **common,
     )
-    per_epoch = t.total_updates // args.epochs
-    done = start.epoch * per_epoch + start.step // args.grad_accum
-    if t.scheduler:
-        with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()"
-            warnings.simplefilter("ignore")
-            for _ in range(min(done, t.total_updates)):
-                t.scheduler.step()
-    lr = t.optimizer.param_groups[0]["lr"]
-    print0(
-        f"resume: the LR schedule is rebuilt for --lr {args.lr}, {t.total_updates} "
-        f"updates of {global_batch} samples (the checkpoint's: --lr {saved['lr']}, "
-        f"{was[0]} updates of {was[1]}); continuing at update {done}, LR {lr:.6g}"
-    )
+    return train_sampler, train_loader, val_loader
 
 
-def same_optimizer(t, checkpoint):
-    """Whether the checkpoint's optimizer and scheduler are of the kinds
-    build_optimizer() makes: the same settings, parameter groups and state names."""
+class ResumableSampler(Sampler):
+    """The shard of a DistributedSampler, from a given position: a run stopped
+    mid-epoch resumes with the next batch, without reading the ones already done."""
 
-    def shape(groups):
-        return [(sorted(group), len(group["params"])) for group in groups]
+    def __init__(self, sampler):
+        self.sampler, self.start = sampler, 0
 
-    saved = checkpoint["optimizer"]["param_groups"]
-    if shape(saved) != shape(t.optimizer.state_dict()["param_groups"]):
-        return False
-    if t.scheduler is None or checkpoint["scheduler"] is None:
-        return t.scheduler is None and checkpoint["scheduler"] is None
-    return sorted(checkpoint["scheduler"]) == sorted(t.scheduler.state_dict())
+    def set_epoch(self, epoch, start=0):
+        self.sampler.set_epoch(epoch)
+        self.start = start
+
+    def __iter__(self):
+        return itertools.islice(self.sampler, self.start, None)
+
+    def __len__(self):
+        return len(self.sampler) - self.start
+
+
+def loader_worker_init(worker_id):
+    """DataLoader workers keep serving batches on SIGTERM and Ctrl-C: the training
+    process stops at its next check, saves, and shuts them down itself. On Linux they
+    also die with it: a forked worker holds copies of its sockets, and left alive it
+    would keep the other ranks waiting for a rank that is gone."""
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, signal.SIG_IGN)
+    faulthandler.register(signal.SIGUSR1, all_threads=False)  # for the hang watch
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def to_device(batch, device):
+    """Move every tensor of a batch (a tensor, or tuples, lists and dicts of them)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):  # dict, or e.g. transformers' BatchEncoding
+        return {key: to_device(value, device) for key, value in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        moved = [to_device(value, device) for value in batch]
+        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
+    return batch
 
 
 @dataclass
@@ -999,6 +696,250 @@ def evaluate(model, loader, device):
     return {name: s / n for name, (s, n) in zip(names, totals.tolist(), strict=True)}
 
 
+# --------------------------------------------------------------------------------------
+# Checkpoints and resuming (rank 0 writes; every rank reads through rank 0)
+# --------------------------------------------------------------------------------------
+def snapshot(t, epoch, step=0, sums=(0.0, 0.0)):
+    """Everything a resume needs: the state after `epoch` epochs and `step` steps."""
+    args, world_size = t.args, dist.get_world_size()
+    return {
+        # DDP change 4: the plain model (ddp_model.module, not the DDP wrapper), so
+        # the weights load without DDP and without a "module." prefix in their keys.
+        "model": t.model.state_dict(),
+        "optimizer": t.optimizer.state_dict(),
+        "scheduler": t.scheduler.state_dict() if t.scheduler else None,
+        "scaler": t.scaler.state_dict(),
+        "epoch": epoch,  # epochs done
+        "epoch_samples": step * args.batch_size * world_size,  # into the next one
+        "train_sums": list(sums),  # loss sum and units of those samples
+        "global_batch": [world_size, args.batch_size, args.grad_accum],
+        "total_updates": t.total_updates,
+{% if strategy == "best" %}
+        "best_val_loss": t.best_val_loss,
+{% endif %}
+        "args": {key: plain(value) for key, value in vars(args).items()},
+    }
+
+
+def plain(value):
+    """A value weights_only=True loads: a Path (say, from a flag you add) as text."""
+    simple = isinstance(value, (bool, int, float, str, type(None)))
+    return value if simple else str(value)
+
+
+def save_atomic(obj, path):
+    """Write a temporary file, then rename it: a crash mid-write keeps the old file."""
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_checkpoint(resume, last_path, device):
+    """Return the checkpoint to resume from, or None to start fresh.
+
+    Rank 0 reads the file and sends its bytes to the other ranks, so machines need not
+    share a disk; each rank then loads them with weights_only=True.
+    """
+    path = last_path if resume == "auto" else Path(resume)
+    data, error = None, None
+    wanted = resume != "never" and (resume != "auto" or path.exists())
+    if dist.get_rank() == 0 and wanted:
+        try:
+            data = path.read_bytes()
+        except OSError as err:
+            error = f"error: cannot resume from {path}: {err.strerror or err}"
+    failed = torch.tensor(float(error is not None), device=device)
+    dist.broadcast(failed, src=0)
+    if failed.item():
+        raise failure(error)
+    data = broadcast_bytes(data, device)
+    if data is None:
+        return None
+    try:
+        # weights_only=True: a checkpoint is data; never run code from a pickle.
+        checkpoint = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        if not {"model", "optimizer", "epoch", "global_batch"} <= set(checkpoint):
+            raise ValueError("no model, optimizer, epoch and global_batch keys")
+    except Exception as err:  # torch.load raises many kinds on a corrupt file
+        lines = [line for line in str(err).splitlines() if line.strip()] or [repr(err)]
+        # weights_only says why in one of its lines: "unsupported GLOBAL posix.system"
+        # (a pickle that would run code: refused), or "Unsupported operand" (no pickle).
+        says = ("GLOBAL" in line or line.startswith("Unsupported") for line in lines)
+        cause = next((line for line, why in zip(lines, says) if why), lines[0])
+        if "GLOBAL" in cause:
+            message = f"refused by weights_only=True ({cause.rstrip('.')})"
+        else:
+            message = f"not a checkpoint ({cause.rstrip('.')})"
+        raise failure(f"error: cannot resume from {path}: {message}") from err
+    return checkpoint | {"path": str(path)}
+
+
+def broadcast_bytes(data, device):
+    """Rank 0's bytes, on every rank, as a bytearray (None where rank 0 has None): a
+    size, then the bytes as a uint8 tensor. (all_gather_object and friends would need
+    NumPy.)"""
+    size = torch.tensor(-1 if data is None else len(data), device=device)
+    dist.broadcast(size, src=0)
+    if size.item() < 0:
+        return None
+    buffer = bytearray(data) if dist.get_rank() == 0 else bytearray(size.item())
+    if buffer:
+        received = torch.frombuffer(buffer, dtype=torch.uint8).to(device)
+        dist.broadcast(received, src=0)
+        torch.frombuffer(buffer, dtype=torch.uint8).copy_(received)
+    return buffer
+
+
+def settle_global_batch(args, checkpoint, world_size):
+    """Set args.grad_accum. A resumed run keeps the checkpoint's global batch (processes
+    x batch x grad-accum), whatever its number of processes: then every update trains
+    on the same samples as before, in the same order. It derives the grad-accum that
+    does so, or refuses in one line unless --allow-batch-change."""
+    if checkpoint is None:
+        args.grad_accum = args.grad_accum or 1
+        return
+    old = checkpoint["global_batch"]  # [processes, batch, grad-accum]
+    target, per_update = math.prod(old), world_size * args.batch_size
+    if args.grad_accum is None:
+        args.grad_accum = max(1, target // per_update)
+    new = [world_size, args.batch_size, args.grad_accum]
+    if math.prod(new) != target and not args.allow_batch_change:
+        if target % world_size:
+            hint = f"use a number of processes that divides {target}"
+        else:
+            hint = f"e.g. --batch-size {target // world_size} --grad-accum 1"
+        raise failure(
+            f"error: the checkpoint's global batch is {target} ({describe(old)}); "
+            f"{describe(new)} make {math.prod(new)}: {hint}, or pass "
+            f"--allow-batch-change to go on with {math.prod(new)}",
+            status=2,
+        )
+    if new != old:
+        kept = "kept" if math.prod(new) == target else f"changed from {target}"
+        print0(
+            f"resume: global batch {math.prod(new)} {kept}: {describe(new)} "
+            f"(the checkpoint had {describe(old)})"
+        )
+
+
+def describe(global_batch):
+    processes, batch, accum = global_batch
+    noun = "process" if processes == 1 else "processes"
+    return f"{processes} {noun} x batch {batch} x grad-accum {accum}"
+
+
+@dataclass
+class Start:
+    """Where training starts: after `epoch` epochs and `step` steps into the next."""
+
+    epoch: int = 0
+    step: int = 0  # > 0 after a mid-epoch stop
+    sums: tuple = (0.0, 0.0)  # loss sum and units of those steps, all ranks
+
+
+def resume(t, checkpoint, out_dir):
+    """Restore the state a checkpoint holds, and trim metrics.csv to its epochs."""
+    if checkpoint is None:
+        start = Start()
+    else:
+        try:
+            t.model.load_state_dict(checkpoint["model"])
+        except RuntimeError as err:  # build_model() changed since it was saved
+            reason = str(err).strip().splitlines()[-1].strip()
+            raise failure(
+                f"error: {checkpoint['path']} does not fit the model build_model() "
+                f"makes ({reason}); start afresh with --resume never or another "
+                "--output-dir"
+            ) from err
+        if checkpoint["scaler"]:  # empty when it was saved without --amp fp16
+            t.scaler.load_state_dict(checkpoint["scaler"])
+        # The position in global samples, read with this run's processes and batch.
+        per_step = dist.get_world_size() * t.args.batch_size
+        step, extra = divmod(checkpoint["epoch_samples"], per_step)
+        if extra:
+            print0(f"resume: {extra} samples of this epoch are trained again")
+        start = Start(checkpoint["epoch"], step, tuple(checkpoint["train_sums"]))
+{% if strategy == "best" %}
+        t.best_val_loss = checkpoint.get("best_val_loss", math.inf)
+{% endif %}
+        restore_schedule(t, checkpoint, start)
+        where = f"after epoch {start.epoch}"
+        if start.step:
+            where = f"in epoch {start.epoch + 1} after {start.step} steps"
+        print0(f"resumed from {checkpoint['path']} {where}")
+        if start.epoch >= t.args.epochs:
+            print0(
+                f"resume: all {start.epoch} epochs are done, nothing to train; a "
+                "larger --epochs goes on, --resume never starts afresh"
+            )
+    if dist.get_rank() == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        start_metrics(out_dir / "metrics.csv", start.epoch)
+    return start
+
+
+def restore_schedule(t, checkpoint, start):
+    """The optimizer's state and the LR schedule. A run whose --epochs, --lr or global
+    batch changed gets the schedule a run with its arguments would have followed from
+    the start, at the update it has reached, and one line saying so."""
+    args, saved = t.args, checkpoint["args"]
+    if not same_optimizer(t, checkpoint):  # build_optimizer() changed since
+        raise failure(
+            f"error: {checkpoint['path']} holds another optimizer or LR schedule than "
+            "build_optimizer() makes; start afresh with --resume never or another "
+            "--output-dir"
+        )
+    # A schedule counts updates: its length and the samples per update (the global
+    # batch) place a run on it. Without a scheduler, only the LR matters.
+    global_batch = dist.get_world_size() * args.batch_size * args.grad_accum
+    was = checkpoint["total_updates"], math.prod(checkpoint["global_batch"])
+    same_length = was == (t.total_updates, global_batch)
+    if saved["lr"] == args.lr and (same_length or not t.scheduler):
+        t.optimizer.load_state_dict(checkpoint["optimizer"])
+        if t.scheduler:
+            t.scheduler.load_state_dict(checkpoint["scheduler"])
+        return
+    # Keep the optimizer's statistics (momentum, Adam moments); take the new settings.
+    fresh = t.optimizer.state_dict()["param_groups"]
+    t.optimizer.load_state_dict(
+        {"state": checkpoint["optimizer"]["state"], "param_groups": fresh}
+    )
+    per_epoch = t.total_updates // args.epochs
+    done = start.epoch * per_epoch + start.step // args.grad_accum
+    if t.scheduler:
+        with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()"
+            warnings.simplefilter("ignore")
+            for _ in range(min(done, t.total_updates)):
+                t.scheduler.step()
+    lr = t.optimizer.param_groups[0]["lr"]
+    print0(
+        f"resume: the LR schedule is rebuilt for --lr {args.lr}, {t.total_updates} "
+        f"updates of {global_batch} samples (the checkpoint's: --lr {saved['lr']}, "
+        f"{was[0]} updates of {was[1]}); continuing at update {done}, LR {lr:.6g}"
+    )
+
+
+def same_optimizer(t, checkpoint):
+    """Whether the checkpoint's optimizer and scheduler are of the kinds
+    build_optimizer() makes: the same settings, parameter groups and state names."""
+
+    def shape(groups):
+        return [(sorted(group), len(group["params"])) for group in groups]
+
+    saved = checkpoint["optimizer"]["param_groups"]
+    if shape(saved) != shape(t.optimizer.state_dict()["param_groups"]):
+        return False
+    if t.scheduler is None or checkpoint["scheduler"] is None:
+        return t.scheduler is None and checkpoint["scheduler"] is None
+    return sorted(checkpoint["scheduler"]) == sorted(t.scheduler.state_dict())
+
+
+# --------------------------------------------------------------------------------------
+# Reports: progress, metrics.csv, the time per epoch, plots, preflight
+# --------------------------------------------------------------------------------------
 class Reports:
     """Everything a run reports besides the training itself: the progress bar, where
     the time goes, the profiler, metrics.csv, TensorBoard and the line per epoch. Every
@@ -1128,122 +1069,6 @@ def seconds(begin, end):
     return begin.elapsed_time(end) / 1000  # call after torch.cuda.synchronize()
 
 
-def preflight(device, backend):
-    """Every rank reports where it runs, then one all-reduce and a bandwidth probe."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    ones = torch.ones(1, device=device)
-    dist.all_reduce(ones)
-    if ones.item() != world_size:
-        raise failure(f"error: all-reduce gave {ones.item()}, not {world_size}")
-    payload = torch.ones(8 * 2**20, device=device)  # 32 MiB of float32
-    dist.all_reduce(payload)  # warm-up
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start, repeats = time.perf_counter(), 5
-    for _ in range(repeats):
-        dist.all_reduce(payload)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    each = (time.perf_counter() - start) / repeats
-    # Bus bandwidth, as nccl-tests reports it: what each link carries in a ring.
-    gb_per_s = payload.numel() * 4 * 2 * (world_size - 1) / world_size / each / 1e9
-    label = str(device)
-    if device.type == "cuda":
-        label += f" {torch.cuda.get_device_name(device)}"
-    local_rank = os.environ.get("LOCAL_RANK", "0")
-    row = f"{rank:>4}  {socket.gethostname():<20} {local_rank:>5}  {label:<29}"
-    # Gather the rows as fixed-size byte tensors (all_gather_object would need NumPy).
-    text = f"{row} {gb_per_s:>8.2f}".encode()[:128].ljust(128)
-    mine = torch.tensor(list(text), dtype=torch.uint8, device=device)
-    gathered = [torch.empty_like(mine) for _ in range(world_size)]
-    dist.all_gather(gathered, mine)
-    rows = [bytes(t.tolist()).decode().rstrip() for t in gathered]
-    print0(f"preflight: {world_size} ranks, backend {backend}, all-reduce ok")
-    print0(f"{'rank':>4}  {'host':<20} {'local':>5}  {'device':<29} {'GB/s':>8}")
-    print0("\n".join(rows))
-
-
-# --------------------------------------------------------------------------------------
-# Checkpoints and metrics (rank 0 writes; every rank reads through rank 0)
-# --------------------------------------------------------------------------------------
-def snapshot(t, epoch, step=0, sums=(0.0, 0.0)):
-    """Everything a resume needs: the state after `epoch` epochs and `step` steps."""
-    args, world_size = t.args, dist.get_world_size()
-    return {
-        # DDP change 4: the plain model (ddp_model.module, not the DDP wrapper), so
-        # the weights load without DDP and without a "module." prefix in their keys.
-        "model": t.model.state_dict(),
-        "optimizer": t.optimizer.state_dict(),
-        "scheduler": t.scheduler.state_dict() if t.scheduler else None,
-        "scaler": t.scaler.state_dict(),
-        "epoch": epoch,  # epochs done
-        "epoch_samples": step * args.batch_size * world_size,  # into the next one
-        "train_sums": list(sums),  # loss sum and units of those samples
-        "global_batch": [world_size, args.batch_size, args.grad_accum],
-        "total_updates": t.total_updates,
-{% if strategy == "best" %}
-        "best_val_loss": t.best_val_loss,
-{% endif %}
-        "args": {key: plain(value) for key, value in vars(args).items()},
-    }
-
-
-def plain(value):
-    """A value weights_only=True loads: a Path (say, from a flag you add) as text."""
-    simple = isinstance(value, (bool, int, float, str, type(None)))
-    return value if simple else str(value)
-
-
-def save_atomic(obj, path):
-    """Write a temporary file, then rename it: a crash mid-write keeps the old file."""
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def load_checkpoint(resume, last_path, device):
-    """Return the checkpoint to resume from, or None to start fresh.
-
-    Rank 0 reads the file and sends its bytes to the other ranks, so machines need not
-    share a disk; each rank then loads them with weights_only=True.
-    """
-    path = last_path if resume == "auto" else Path(resume)
-    data, error = None, None
-    wanted = resume != "never" and (resume != "auto" or path.exists())
-    if dist.get_rank() == 0 and wanted:
-        try:
-            data = path.read_bytes()
-        except OSError as err:
-            error = f"error: cannot resume from {path}: {err.strerror or err}"
-    failed = torch.tensor(float(error is not None), device=device)
-    dist.broadcast(failed, src=0)
-    if failed.item():
-        raise failure(error)
-    data = broadcast_bytes(data, device)
-    if data is None:
-        return None
-    try:
-        # weights_only=True: a checkpoint is data; never run code from a pickle.
-        checkpoint = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-        if not {"model", "optimizer", "epoch", "global_batch"} <= set(checkpoint):
-            raise ValueError("no model, optimizer, epoch and global_batch keys")
-    except Exception as err:  # torch.load raises many kinds on a corrupt file
-        lines = [line for line in str(err).splitlines() if line.strip()] or [repr(err)]
-        # weights_only says why in one of its lines: "unsupported GLOBAL posix.system"
-        # (a pickle that would run code: refused), or "Unsupported operand" (no pickle).
-        says = ("GLOBAL" in line or line.startswith("Unsupported") for line in lines)
-        cause = next((line for line, why in zip(lines, says) if why), lines[0])
-        if "GLOBAL" in cause:
-            message = f"refused by weights_only=True ({cause.rstrip('.')})"
-        else:
-            message = f"not a checkpoint ({cause.rstrip('.')})"
-        raise failure(f"error: cannot resume from {path}: {message}") from err
-    return checkpoint | {"path": str(path)}
-
-
 def start_metrics(path, done):
     """Keep the rows of epochs already done (none on a fresh start); drop the rest."""
     rows = read_metrics(path) if done else []
@@ -1314,9 +1139,271 @@ def report_outputs(out_dir, plotted, tensorboard):
     print("done: " + ", ".join(parts), flush=True)
 
 
+def preflight(device, backend):
+    """Every rank reports where it runs, then one all-reduce and a bandwidth probe."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    ones = torch.ones(1, device=device)
+    dist.all_reduce(ones)
+    if ones.item() != world_size:
+        raise failure(f"error: all-reduce gave {ones.item()}, not {world_size}")
+    payload = torch.ones(8 * 2**20, device=device)  # 32 MiB of float32
+    dist.all_reduce(payload)  # warm-up
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start, repeats = time.perf_counter(), 5
+    for _ in range(repeats):
+        dist.all_reduce(payload)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    each = (time.perf_counter() - start) / repeats
+    # Bus bandwidth, as nccl-tests reports it: what each link carries in a ring.
+    gb_per_s = payload.numel() * 4 * 2 * (world_size - 1) / world_size / each / 1e9
+    label = str(device)
+    if device.type == "cuda":
+        label += f" {torch.cuda.get_device_name(device)}"
+    local_rank = os.environ.get("LOCAL_RANK", "0")
+    row = f"{rank:>4}  {socket.gethostname():<20} {local_rank:>5}  {label:<29}"
+    # Gather the rows as fixed-size byte tensors (all_gather_object would need NumPy).
+    text = f"{row} {gb_per_s:>8.2f}".encode()[:128].ljust(128)
+    mine = torch.tensor(list(text), dtype=torch.uint8, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(gathered, mine)
+    rows = [bytes(t.tolist()).decode().rstrip() for t in gathered]
+    print0(f"preflight: {world_size} ranks, backend {backend}, all-reduce ok")
+    print0(f"{'rank':>4}  {'host':<20} {'local':>5}  {'device':<29} {'GB/s':>8}")
+    print0("\n".join(rows))
+
+
 # --------------------------------------------------------------------------------------
-# When a rank hangs, or another one is lost: say which rank, and where
+# The command line
 # --------------------------------------------------------------------------------------
+def parse_args(argv=None):
+    """The command line. A value that cannot work stops the run here, before anything
+    starts: one line, exit status 2."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.error = usage_error
+    add_training_arguments(parser)
+    add_running_arguments(parser)
+    args = parser.parse_args(argv)
+{% if spawn and multi %}
+    if args.node_rank >= args.nnodes:
+        usage_error(f"argument --node-rank: must be below --nnodes {args.nnodes}")
+{% endif %}
+    return args
+
+
+def usage_error(message):
+    """argparse's errors and ours: one line (rank 0), exit 2, before anything starts."""
+    raise failure(f"error: {message} (see --help)", status=2)
+
+
+def at_least(least, most=math.inf):
+    """An argparse type: a whole number from `least` (to `most`)."""
+
+    def number(text):
+        value = int(text)
+        if not least <= value <= most:
+            top = "" if most == math.inf else f" and at most {most}"
+            message = f"must be at least {least}{top}, not {value}"
+            raise argparse.ArgumentTypeError(message)
+        return value
+
+    number.__name__ = "int"  # argparse: "invalid int value: ..."
+    return number
+
+
+def positive(text):
+    """An argparse type: a number above 0 (and finite)."""
+    value = float(text)
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be above 0, not {text}")
+    return value
+
+
+positive.__name__ = "float"  # argparse: "invalid float value: ..."
+
+
+def add_training_arguments(parser):
+    parser.add_argument("--epochs", type=at_least(1), default=10)
+    parser.add_argument(
+        "--batch-size", type=at_least(1), default=32, help="per process"
+    )
+    parser.add_argument("--lr", type=positive, default=0.1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--num-workers", type=at_least(0), default=2, help="per process"
+    )
+    parser.add_argument("--train-size", type=at_least(1), default=2048)
+    parser.add_argument("--val-size", type=at_least(1), default=512)
+    parser.add_argument("--output-dir", default="outputs")
+    parser.add_argument(
+        "--amp",
+        choices=tuple(AMP_DTYPES),
+        default="none",
+        help="mixed precision: autocast to bfloat16 or float16 (with loss scaling)",
+    )
+    parser.add_argument(
+        "--grad-accum",
+        type=at_least(1),
+        metavar="N",
+        help="micro-batches per optimizer update (default 1; when resuming, what "
+        "keeps the checkpoint's global batch of processes x batch x N)",
+    )
+    parser.add_argument(
+        "--allow-batch-change",
+        action="store_true",
+        help="resume with a global batch other than the checkpoint's",
+    )
+    parser.add_argument(
+        "--clip-grad-norm",
+        type=positive,
+        metavar="F",
+        help="clip the gradient norm to F before each update (default: off)",
+    )
+    parser.add_argument(
+        "--compile", action="store_true", help="torch.compile the DDP model"
+    )
+    parser.add_argument(
+        "--profile-steps",
+        type=at_least(0),
+        default=0,
+        metavar="N",
+        help="write a torch.profiler trace of N steps of rank 0 to OUTPUT_DIR/profile",
+    )
+    parser.add_argument(
+        "--tensorboard",
+        action="store_true",
+        help="also log metrics to OUTPUT_DIR/tensorboard (needs tensorboard)",
+    )
+    parser.add_argument(
+        "--resume",
+        default="auto",
+        metavar="{auto,never,PATH}",
+        help="auto: continue from OUTPUT_DIR/checkpoint_last.pt when it exists",
+    )
+
+
+def add_running_arguments(parser):
+    parser.add_argument(
+        "--backend",
+        choices=("auto", "nccl", "gloo"),
+        default="auto",
+        help="auto: nccl when CUDA is usable, else gloo",
+    )
+    parser.add_argument(
+        "--dist-timeout",
+        type=positive,
+        default=os.environ.get("DIST_TIMEOUT", "600"),
+        help="seconds to wait for the other processes at start-up, and that a process "
+        "may go without progress before the job ends with a report of where each "
+        "one was (default: $DIST_TIMEOUT, else 600)",
+    )
+    parser.add_argument(
+        "--preflight",
+        action="store_true",
+        help="check every rank and the network, print a table, exit without training",
+    )
+{% if spawn %}
+    parser.add_argument(
+        "--nproc-per-node",
+        type=at_least(1),
+        default=torch.cuda.device_count() or 2,
+        help="processes on this machine (default: one per GPU, or 2 on CPU)",
+    )
+{% if multi %}
+    parser.add_argument(
+        "--nnodes", type=at_least(1), default=1, help="machines taking part"
+    )
+    parser.add_argument(
+        "--node-rank", type=at_least(0), default=0, help="0 to nnodes - 1"
+    )
+    parser.add_argument("--master-addr", default="127.0.0.1", help="node 0's address")
+    parser.add_argument(
+        "--master-port",
+        type=at_least(1, 65535),
+        help="port on node 0 (default: a free port; 29500 when nnodes > 1)",
+    )
+{% else %}
+    parser.add_argument(
+        "--master-port", type=at_least(1, 65535), help="default: a free port"
+    )
+{% endif %}
+    # Accepted for torch.distributed.launch compatibility and ignored: workers get their
+    # rank from mp.spawn.
+{% else %}
+    parser.add_argument(
+        "--torchrun",
+        metavar="OPTIONS",
+        help="run torchrun with these options in this process, to start the workers "
+        "(as the run scripts do)",
+    )
+    # DDP change 1: torch.distributed.launch passes --local-rank=N; LOCAL_RANK from the
+    # environment (set by torchrun and by torch.distributed.launch) is what counts.
+{% endif %}
+    parser.add_argument("--local-rank", "--local_rank", help=argparse.SUPPRESS)
+
+
+# --------------------------------------------------------------------------------------
+# Stops, failures and hangs: say which rank, and where
+# --------------------------------------------------------------------------------------
+COLLECTIVE_GRACE = 30  # seconds a collective may wait beyond --dist-timeout
+STOP_SIGNAL = None  # the first SIGTERM or SIGINT received: stop, save, exit 128 + it
+
+
+def failure(message, status=1):
+    """The exit for a clear error: rank 0 alone prints why, once, and every rank exits
+    with `status` (2: an argument that cannot work)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(message, file=sys.stderr, flush=True)
+    return SystemExit(status)
+
+
+def on_stop_signal(signum, frame):
+    """SIGTERM (how Slurm and Kubernetes preempt) or Ctrl-C (SIGINT): training stops
+    at the next check, saves a checkpoint, and exits with 128 + the signal's number.
+    A second Ctrl-C stops at once, saving nothing."""
+    global STOP_SIGNAL
+    if STOP_SIGNAL is None:
+        STOP_SIGNAL = signum
+    elif signum == signal.SIGINT:
+        stop_now(128 + signum)
+
+
+def stop_now(status):
+    """Exit at once (from any thread), with this process's DataLoader workers."""
+    for child in multiprocessing.active_children():
+        child.kill()
+    os._exit(status)
+
+
+def stop_loader_workers():
+    """This process's DataLoader workers ignore SIGTERM (see loader_worker_init), so
+    they are killed here rather than left to Python's exit, which would wait for them
+    forever after SIGTERM-ing them."""
+    # Else torch's SIGCHLD handler reports each of these deaths as an error.
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for child in multiprocessing.active_children():
+        child.kill()
+
+
+def keep_freed_memory(limit=1 << 30):
+    """Linux: let freed tensor memory stay in the process for the next step.
+
+    By default glibc hands large freed blocks straight back to the kernel, so every
+    step faults the same memory in again: ~1000 page faults a step and a fifth of the
+    step time for the CPU default here. Blocks up to `limit` bytes now stay reserved.
+    """
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None)
+        if hasattr(libc, "mallopt"):  # glibc (other C libraries: absent or a no-op)
+            libc.mallopt(-3, limit)  # M_MMAP_THRESHOLD: larger blocks get their own map
+            libc.mallopt(-1, limit)  # M_TRIM_THRESHOLD: free heap top kept up to this
+        # The same for processes started from here that do not fork (DataLoader
+        # workers under the spawn or forkserver start method): glibc reads these.
+        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(limit))
+        os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(limit))
+
+
 # What each rank is doing when the job stalls, as the summary says it.
 WAITS = "waits for the other ranks"
 LOADER = "waits for its DataLoader workers"
@@ -1526,88 +1613,6 @@ def report_lost_peer(err):
     )
 
 
-def keep_freed_memory(limit=1 << 30):
-    """Linux: let freed tensor memory stay in the process for the next step.
-
-    By default glibc hands large freed blocks straight back to the kernel, so every
-    step faults the same memory in again: ~1000 page faults a step and a fifth of the
-    step time for the CPU default here. Blocks up to `limit` bytes now stay reserved.
-    """
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None)
-        if hasattr(libc, "mallopt"):  # glibc (other C libraries: absent or a no-op)
-            libc.mallopt(-3, limit)  # M_MMAP_THRESHOLD: larger blocks get their own map
-            libc.mallopt(-1, limit)  # M_TRIM_THRESHOLD: free heap top kept up to this
-        # The same for processes started from here that do not fork (DataLoader
-        # workers under the spawn or forkserver start method): glibc reads these.
-        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(limit))
-        os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(limit))
-
-
-def on_stop_signal(signum, frame):
-    """SIGTERM (how Slurm and Kubernetes preempt) or Ctrl-C (SIGINT): training stops
-    at the next check, saves a checkpoint, and exits with 128 + the signal's number.
-    A second Ctrl-C stops at once, saving nothing."""
-    global STOP_SIGNAL
-    if STOP_SIGNAL is None:
-        STOP_SIGNAL = signum
-    elif signum == signal.SIGINT:
-        stop_now(128 + signum)
-
-
-def stop_now(status):
-    """Exit at once (from any thread), with this process's DataLoader workers."""
-    for child in multiprocessing.active_children():
-        child.kill()
-    os._exit(status)
-
-
-def stop_loader_workers():
-    """This process's DataLoader workers ignore SIGTERM (see loader_worker_init), so
-    they are killed here rather than left to Python's exit, which would wait for them
-    forever after SIGTERM-ing them."""
-    # Else torch's SIGCHLD handler reports each of these deaths as an error.
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    for child in multiprocessing.active_children():
-        child.kill()
-
-
-def run(args):
-    """One process's life: join the group, train (or check), always leave the group.
-
-    Returns the exit status: 0, 1 when another rank was lost, or 128 + the signal
-    that stopped training.
-    """
-    keep_freed_memory()  # before any tensor, and so before any DataLoader worker
-    faulthandler.enable()  # a crash in C code (an abort) still shows the Python stack
-    device, store = setup_distributed(args.backend, args.dist_timeout)
-    # From here on, SIGTERM and Ctrl-C stop training at the next check, with a save.
-    # (Before, SIGTERM ends the process at once; the rendezvous waits in C++, where a
-    # Python handler would not run.)
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, on_stop_signal)
-    WATCH.start(store, args.dist_timeout)
-    try:
-        if args.preflight:
-            preflight(device, dist.get_backend())
-            status = 0
-        else:
-            status = train(args, device)
-        dist.barrier()  # everyone finishes together, after rank 0's last save
-    except RuntimeError as err:
-        if not lost_peer(err):
-            raise
-        if WATCH.reporting:  # the other ranks left after a hang report: finish it
-            WATCH.thread.join()
-        report_lost_peer(err)
-        status = 1
-    finally:
-        WATCH.stop()
-        stop_loader_workers()
-        dist.destroy_process_group()
-    return status
-
-
 def quiet_torch_logs(logger, messages):
     """Drop torch's log lines that repeat what this script says in its own words."""
     for handler in logging.getLogger(logger).handlers:
@@ -1627,9 +1632,12 @@ def abort_line():
     print("aborted: a second Ctrl-C stopped the workers at once", file=sys.stderr)
     sys.stderr.flush()
     os._exit(128 + signal.SIGINT)
+
+
+# --------------------------------------------------------------------------------------
+# Launching: one worker process per GPU (or 2 on a CPU)
+# --------------------------------------------------------------------------------------
 {% if spawn %}
-
-
 def free_port():
     with socket.socket() as sock:
         sock.bind(("", 0))
@@ -1725,8 +1733,6 @@ def main():
 if __name__ == "__main__":
     sys.exit(main())
 {% else %}
-
-
 # torchrun's log lines that repeat what the workers or launch() say themselves.
 TORCHRUN_CHATTER = {
     "Received %s death signal, shutting down workers",
