@@ -63,8 +63,7 @@ def documented_flags():
     return flags
 
 
-def script_flags(project):
-    """The long options the generated script's --help lists."""
+def script_help(project):
     result = subprocess.run(
         [sys.executable, "main_multi_gpu.py", "--help"],
         cwd=project,
@@ -72,7 +71,27 @@ def script_flags(project):
         text=True,
         check=True,
     )
-    return set(re.findall(r"(?<![\w-])(--[a-z][a-z_-]*)", result.stdout))
+    return result.stdout
+
+
+def script_flags(project):
+    """The long options the generated script's --help lists."""
+    return set(re.findall(r"(?<![\w-])(--[a-z][a-z_-]*)", script_help(project)))
+
+
+def help_entries(text):
+    """{flag: its entry in --help (the flag, its meaning and its default)}, from
+    every group of options."""
+    entries, current = {}, None
+    for line in text.partition("\noptions:\n")[2].splitlines():
+        if line.startswith("  -"):
+            current = line.split()[0].rstrip(",")
+            entries[current] = line
+        elif line.startswith("    ") and current:
+            entries[current] += line
+        else:  # a blank line, or a group's heading
+            current = None
+    return {flag: " ".join(entry.split()) for flag, entry in entries.items()}
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
@@ -89,6 +108,45 @@ def test_the_reference_lists_every_flag(tmp_path, launcher, nodes):
     if not (launcher == "spawn" and nodes == "multi"):
         expected -= multi_spawn_only
     assert flags == expected
+
+    # Every flag says what it does and what it is unless given.
+    entries = help_entries(script_help(project))
+    assert set(entries) - {"-h"} == flags
+    for flag, entry in entries.items():
+        meaning = entry.partition(flag)[2]
+        assert flag == "-h" or re.search(r"[a-z]{3}.*default", meaning), entry
+    for flag, default in {
+        "--epochs": "(default: 10)",
+        "--batch-size": "(default: 32)",
+        "--lr": "(default: 0.1)",
+        "--seed": "(default: 0)",
+        "--num-workers": "(default: 2)",
+        "--resume": "(default: auto)",
+        "--compile": "(default: off)",
+        "--dist-timeout": "(default: $DIST_TIMEOUT, else 600)",
+    }.items():
+        assert entries[flag].endswith(default), entries[flag]
+
+
+@pytest.mark.parametrize(
+    "answers",
+    [{}, {"nodes": "multi", "scheduler": "slurm", "save_strategy": "final_only"}],
+    ids=["default", "multi-slurm-final_only"],
+)
+def test_the_generated_readme_opens_with_the_commands_used_most(tmp_path, answers):
+    """Its first screen (40 lines): train, resume, evaluate, several machines, --help,
+    and where a user's own code goes."""
+    first_screen = "\n".join(
+        (bake(tmp_path, **answers) / "README.md").read_text().splitlines()[:40]
+    )
+    commands = ["./run_single.sh  ", "--evaluate outputs/model_final.pt", "--help"]
+    if answers.get("nodes") == "multi":
+        commands.append("NODE_RANK=0 MASTER_ADDR=10.0.0.1 ./run_multi.sh")
+    if answers.get("scheduler") == "slurm":
+        commands.append("sbatch run_slurm.sbatch")
+    resume = "trains afresh" if answers else "resumes from outputs/checkpoint_last.pt"
+    for text in [*commands, resume, "EDIT HERE", "`build_datasets`"]:
+        assert text in first_screen, text
 
 
 def test_the_generated_readme_says_where_the_outputs_are(tmp_path):

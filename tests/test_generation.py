@@ -15,7 +15,7 @@ from combinations import (
     combinations,
     uncovered_pairs,
 )
-from conftest import bake
+from conftest import USER_FUNCTIONS, bake
 
 COMMON_FILES = {"main_multi_gpu.py", "run_single.sh", "README.md", "requirements.txt"}
 
@@ -126,6 +126,20 @@ def test_no_function_is_longer_than_a_screen(baked):
         assert len(lengths) > 40, case
         longest = max(lengths, key=lengths.get)
         assert lengths[longest] <= 80, (case, longest, lengths[longest])
+
+
+def test_the_five_functions_come_first(baked):
+    """After the header and the imports, a reader meets the five functions a user
+    edits (and the constant they use) before anything else."""
+    for case in IDS:
+        code = (baked[1][case] / "main_multi_gpu.py").read_text()
+        body = ast.parse(code).body
+        imports = [n for n in body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        rest = body[body.index(imports[-1]) + 1 :]
+        first = [n.name for n in rest[1:6] if isinstance(n, ast.FunctionDef)]
+        assert ast.unparse(rest[0]) == "NUM_CLASSES = 10", case
+        assert first == list(USER_FUNCTIONS), case
+        assert code.index("# EDIT HERE") < code.index("\ndef build_datasets(")
 
 
 def test_ruff_check_and_format(baked):

@@ -101,7 +101,7 @@ BAD_FLAGS = [
     (["--epochs", "-2"], "argument --epochs: must be at least 1, not -2"),
     (["--num-workers", "-1"], "argument --num-workers: must be at least 0, not -1"),
     (["--train-size", "0"], "argument --train-size: must be at least 1, not 0"),
-    (["--lr", "0"], "argument --lr: must be above 0, not 0"),
+    (["--lr", "-1"], "argument --lr: must be at least 0, not -1"),
     (["--clip-grad-norm", "-1"], "argument --clip-grad-norm: must be above 0, not -1"),
     (["--dist-timeout", "nan"], "argument --dist-timeout: must be above 0, not nan"),
     (["--epochs", "two"], "argument --epochs: invalid int value: 'two'"),
@@ -175,6 +175,25 @@ def test_a_flag_that_cannot_work_is_one_line_through_every_script(tmp_path, laun
     cases += [({"NPROC_PER_NODE": "0"}, "NPROC_PER_NODE must be a whole number")]
     refusals(project, cases)
     refusals(project, [BAD_FLAGS[1], *BAD_MULTI_ENV], script="./run_multi.sh")
+
+
+def test_a_learning_rate_of_zero_is_a_probe_that_moves_nothing(tmp_path):
+    """--lr 0 runs the whole set-up (data, steps, evaluation, saving) and leaves every
+    weight where build_model() put it; only BatchNorm's running statistics move."""
+    project = bake(tmp_path, save_strategy="final_only")
+    out = tmp_path / "out"
+    code, output, _, _ = single(project, out, [*LONG[:1], "1", *LONG[2:], "--lr", "0"])
+    assert code == 0, output
+    module = load_module(project)
+    torch.manual_seed(0)  # as the script seeds before build_model()
+    model = module.build_model(module.parse_args([]))
+    initial = dict(model.named_parameters())
+    final = load_weights(out / "model_final.pt")
+    assert all(torch.equal(final[name], value) for name, value in initial.items())
+    moved = [name for name in final if "running_mean" in name]
+    assert moved and all(
+        not torch.equal(final[name], model.state_dict()[name]) for name in moved
+    )
 
 
 # -- Ctrl-C ----------------------------------------------------------------------------------

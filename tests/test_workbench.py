@@ -165,16 +165,20 @@ def build_optimizer(model, args, total_updates):
 DEFAULT_DATA_AS = '''
 def build_datasets(args):
     """The default data, each item ITEM."""
-    generator = torch.Generator().manual_seed(args.seed)
-    prototypes = torch.randn(NUM_CLASSES, 3, 16, 16, generator=generator)
 
-    def make(size):
+    def stream(part):
+        return torch.Generator().manual_seed(1000 * args.seed + part)
+
+    prototypes = torch.randn(NUM_CLASSES, 3, 16, 16, generator=stream(0))
+
+    def make(size, part):
+        generator = stream(part)
         labels = torch.randint(NUM_CLASSES, (size,), generator=generator)
         noise = torch.randn(size, 3, 16, 16, generator=generator)
         images = prototypes[labels] + 2 * noise
         return [ITEM for image, label in zip(images, labels)]
 
-    return make(args.train_size), make(args.val_size)
+    return make(args.train_size, 1), make(args.val_size, 2)
 '''
 
 AS_LIST = (

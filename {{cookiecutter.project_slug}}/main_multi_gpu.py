@@ -12,7 +12,7 @@
 #   4. only rank 0 prints and saves (the plain model, not the DDP wrapper)
 # Your data, model, loss, metrics and optimizer go in the five functions under
 # "EDIT HERE"; nothing else in this file needs to change for them.
-"""Train a model with DistributedDataParallel; run with --help for the options."""
+"""Train a model with DistributedDataParallel, on one machine or several."""
 
 import argparse
 import contextlib
@@ -93,15 +93,19 @@ def build_datasets(args):
     followed by dist.barrier(), so processes don't write the same files at once (a
     download longer than --dist-timeout counts as a hang).
     """
-    generator = torch.Generator().manual_seed(args.seed)
-    prototypes = torch.randn(NUM_CLASSES, 3, 16, 16, generator=generator)
 
-    def make(size):
+    def stream(part):  # one random stream per part: one's size leaves the others
+        return torch.Generator().manual_seed(1000 * args.seed + part)
+
+    prototypes = torch.randn(NUM_CLASSES, 3, 16, 16, generator=stream(0))
+
+    def make(size, part):
+        generator = stream(part)
         labels = torch.randint(NUM_CLASSES, (size,), generator=generator)
         noise = torch.randn(size, 3, 16, 16, generator=generator)
         return TensorDataset(prototypes[labels] + 2 * noise, labels)
 
-    return make(args.train_size), make(args.val_size)
+    return make(args.train_size, 1), make(args.val_size, 2)
 
 
 def build_model(args):
@@ -191,6 +195,8 @@ def run(args):
         if args.preflight:
             preflight(device, dist.get_backend())
             status = 0
+        elif args.evaluate:
+            status = evaluate_saved(args, device)
         else:
             status = train(args, device)
         dist.barrier()  # everyone finishes together, after rank 0's last save
@@ -373,15 +379,21 @@ def train(args, device):
     return 0
 
 
+def datasets(args):
+    """build_datasets(), refusing an empty set in one line."""
+    train_set, val_set = build_datasets(args)
+    for name, data in (("training", train_set), ("validation", val_set)):
+        if len(data) == 0:
+            raise failure(f"error: build_datasets() returned an empty {name} set")
+    return train_set, val_set
+
+
 def build_training(args, device, checkpoint):
     """Data, model, DDP wrapper, optimizer and loss scaler, as build_* say."""
     world_size = dist.get_world_size()
     settle_global_batch(args, checkpoint, world_size)
     torch.manual_seed(args.seed)  # reproducible initial weights and data
-    train_set, val_set = build_datasets(args)
-    for name, data in (("training", train_set), ("validation", val_set)):
-        if len(data) == 0:
-            raise failure(f"error: build_datasets() returned an empty {name} set")
+    train_set, val_set = datasets(args)
     train_sampler, train_loader, val_loader = build_loaders(
         train_set, val_set, args, device
     )
@@ -437,44 +449,41 @@ def build_training(args, device, checkpoint):
     )
 
 
-def build_loaders(train_set, val_set, args, device):
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    common = {
+def loader_options(data, args, device):
+    """The DataLoader settings every loader here shares."""
+    return {
+        "collate_fn": getattr(data, "collate_fn", None),
         "num_workers": args.num_workers,
         "pin_memory": device.type == "cuda",
         "worker_init_fn": loader_worker_init,
     }
+
+
+def build_loaders(train_set, val_set, args, device):
+    common = loader_options(train_set, args, device)
     # DDP change 2: each rank reads a different 1/world_size of the training set
     # (a single-GPU script would pass shuffle=True to the DataLoader instead).
     shard = DistributedSampler(train_set, shuffle=True, seed=args.seed)
     train_sampler = ResumableSampler(shard)
 {% if cookiecutter.use_batch_sampler %}
     batch_sampler = BatchSampler(train_sampler, args.batch_size, drop_last=False)
-    train_loader = DataLoader(
-        train_set,
-        batch_sampler=batch_sampler,
-        collate_fn=getattr(train_set, "collate_fn", None),
-        **common,
-    )
+    train_loader = DataLoader(train_set, batch_sampler=batch_sampler, **common)
 {% else %}
     train_loader = DataLoader(
-        train_set,
-        batch_size=args.batch_size,
-        sampler=train_sampler,
-        collate_fn=getattr(train_set, "collate_fn", None),
-        **common,
+        train_set, batch_size=args.batch_size, sampler=train_sampler, **common
     )
 {% endif %}
-    # Validation shards take every world_size-th sample with no padding, so the summed
-    # metrics count each sample exactly once (DistributedSampler would repeat some).
-    val_shard = Subset(val_set, range(rank, len(val_set), world_size))
-    val_loader = DataLoader(
-        val_shard,
-        batch_size=args.batch_size,
-        collate_fn=getattr(val_set, "collate_fn", None),
-        **common,
-    )
-    return train_sampler, train_loader, val_loader
+    return train_sampler, train_loader, build_val_loader(val_set, args, device)
+
+
+def build_val_loader(val_set, args, device):
+    """Validation shards take every world_size-th sample with no padding, so the
+    summed metrics count each sample exactly once (DistributedSampler would repeat
+    some)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    shard = Subset(val_set, range(rank, len(val_set), world_size))
+    options = loader_options(val_set, args, device)
+    return DataLoader(shard, batch_size=args.batch_size, **options)
 
 
 class ResumableSampler(Sampler):
@@ -696,6 +705,25 @@ def evaluate(model, loader, device):
     return {name: s / n for name, (s, n) in zip(names, totals.tolist(), strict=True)}
 
 
+def evaluate_saved(args, device):
+    """--evaluate PATH: the exact evaluation above, on every rank, of the weights in
+    PATH (model_final.pt, or a checkpoint's); one line of metrics, nothing written."""
+    path = Path(args.evaluate)
+    saved = load_shared(path, device, "evaluate")
+    torch.manual_seed(args.seed)  # the data build_datasets() makes for this seed
+    _, val_set = datasets(args)
+    model = build_model(args).to(device)
+    load_weights(model, saved["model"] if "optimizer" in saved else saved, path)
+    metrics = evaluate(model, build_val_loader(val_set, args, device), device)
+    print0(f"evaluate {path}  {one_line(metrics, 'val_')}")
+    return 0
+
+
+def one_line(values, prefix=""):
+    """name value pairs as a run's lines show them: "val_loss 2.3  val_acc 0.1"."""
+    return "  ".join(f"{prefix}{name} {value:.6g}" for name, value in values.items())
+
+
 # --------------------------------------------------------------------------------------
 # Checkpoints and resuming (rank 0 writes; every rank reads through rank 0)
 # --------------------------------------------------------------------------------------
@@ -738,19 +766,31 @@ def save_atomic(obj, path):
 
 
 def load_checkpoint(resume, last_path, device):
-    """Return the checkpoint to resume from, or None to start fresh.
-
-    Rank 0 reads the file and sends its bytes to the other ranks, so machines need not
-    share a disk; each rank then loads them with weights_only=True.
-    """
+    """Return the checkpoint to resume from, or None to start fresh."""
     path = last_path if resume == "auto" else Path(resume)
-    data, error = None, None
     wanted = resume != "never" and (resume != "auto" or path.exists())
-    if dist.get_rank() == 0 and wanted:
+    checkpoint = load_shared(path if wanted else None, device, "resume from")
+    if checkpoint is None:
+        return None
+    if not {"model", "optimizer", "epoch", "global_batch"} <= set(checkpoint):
+        raise failure(
+            f"error: cannot resume from {path}: not a checkpoint (no model, optimizer, "
+            "epoch and global_batch keys)"
+        )
+    return checkpoint | {"path": str(path)}
+
+
+def load_shared(path, device, verb):
+    """The dict saved in `path` (None for no path), on every rank. Rank 0 reads the
+    file and sends its bytes to the others, so machines need not share a disk; each
+    rank loads them with weights_only=True. A file that cannot be read or loaded:
+    one line, "error: cannot <verb> <path>: <why>"."""
+    data, error = None, None
+    if dist.get_rank() == 0 and path is not None:
         try:
             data = path.read_bytes()
         except OSError as err:
-            error = f"error: cannot resume from {path}: {err.strerror or err}"
+            error = f"error: cannot {verb} {path}: {err.strerror or err}"
     failed = torch.tensor(float(error is not None), device=device)
     dist.broadcast(failed, src=0)
     if failed.item():
@@ -760,9 +800,9 @@ def load_checkpoint(resume, last_path, device):
         return None
     try:
         # weights_only=True: a checkpoint is data; never run code from a pickle.
-        checkpoint = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-        if not {"model", "optimizer", "epoch", "global_batch"} <= set(checkpoint):
-            raise ValueError("no model, optimizer, epoch and global_batch keys")
+        loaded = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        if not isinstance(loaded, dict):
+            raise TypeError(f"it holds a {type(loaded).__name__}, not a dict")
     except Exception as err:  # torch.load raises many kinds on a corrupt file
         lines = [line for line in str(err).splitlines() if line.strip()] or [repr(err)]
         # weights_only says why in one of its lines: "unsupported GLOBAL posix.system"
@@ -773,8 +813,21 @@ def load_checkpoint(resume, last_path, device):
             message = f"refused by weights_only=True ({cause.rstrip('.')})"
         else:
             message = f"not a checkpoint ({cause.rstrip('.')})"
-        raise failure(f"error: cannot resume from {path}: {message}") from err
-    return checkpoint | {"path": str(path)}
+        raise failure(f"error: cannot {verb} {path}: {message}") from err
+    return loaded
+
+
+def load_weights(model, weights, path, advice=""):
+    """Load a state_dict into the model build_model() made, or say in one line why
+    it does not fit (build_model() changed since it was saved, another project's)."""
+    try:
+        model.load_state_dict(weights)
+    except (RuntimeError, TypeError) as err:
+        reason = str(err).strip().splitlines()[-1].strip()
+        raise failure(
+            f"error: {path} does not fit the model build_model() makes ({reason})"
+            + advice
+        ) from err
 
 
 def broadcast_bytes(data, device):
@@ -845,15 +898,8 @@ def resume(t, checkpoint, out_dir):
     if checkpoint is None:
         start = Start()
     else:
-        try:
-            t.model.load_state_dict(checkpoint["model"])
-        except RuntimeError as err:  # build_model() changed since it was saved
-            reason = str(err).strip().splitlines()[-1].strip()
-            raise failure(
-                f"error: {checkpoint['path']} does not fit the model build_model() "
-                f"makes ({reason}); start afresh with --resume never or another "
-                "--output-dir"
-            ) from err
+        advice = "; start afresh with --resume never or another --output-dir"
+        load_weights(t.model, checkpoint["model"], checkpoint["path"], advice)
         if checkpoint["scaler"]:  # empty when it was saved without --amp fp16
             t.scaler.load_state_dict(checkpoint["scaler"])
         # The position in global samples, read with this run's processes and batch.
@@ -1058,8 +1104,7 @@ class Reports:
         if self.writer:
             for key, value in row.items():
                 self.writer.add_scalar(key, value, epoch + 1)
-        summary = "  ".join(f"{key} {value:.6g}" for key, value in row.items())
-        summary = summary.partition("  ")[2]  # all but the epoch
+        summary = one_line(row).partition("  ")[2]  # all but the epoch
         print(f"epoch {epoch + 1}/{self.t.args.epochs}  {summary}", flush=True)
 
 
@@ -1180,16 +1225,30 @@ def preflight(device, backend):
 def parse_args(argv=None):
     """The command line. A value that cannot work stops the run here, before anything
     starts: one line, exit status 2."""
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=ShowDefaults)
     parser.error = usage_error
-    add_training_arguments(parser)
-    add_running_arguments(parser)
+    add_training_arguments(parser.add_argument_group("training"))
+    add_speed_arguments(parser.add_argument_group("speed and insight"))
+    add_running_arguments(parser.add_argument_group("processes and machines"))
     args = parser.parse_args(argv)
 {% if spawn and multi %}
     if args.node_rank >= args.nnodes:
         usage_error(f"argument --node-rank: must be below --nnodes {args.nnodes}")
 {% endif %}
     return args
+
+
+class ShowDefaults(argparse.HelpFormatter):
+    """--help: each flag's meaning, then its default ("off" for a switch or an
+    option that is unset unless given)."""
+
+    def _get_help_string(self, action):
+        meaning = action.help or ""
+        if "default" in meaning or action.default == argparse.SUPPRESS:
+            return meaning  # it says its default in its own words
+        unset = action.default is None or action.default is False
+        default = "off" if unset else "%(default)s"
+        return f"{meaning} (default: {default})"
 
 
 def usage_error(message):
@@ -1220,27 +1279,73 @@ def positive(text):
     return value
 
 
-positive.__name__ = "float"  # argparse: "invalid float value: ..."
+def not_negative(text):
+    """An argparse type: a number of at least 0 (and finite)."""
+    value = float(text)
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be at least 0, not {text}")
+    return value
+
+
+positive.__name__ = not_negative.__name__ = "float"  # "invalid float value: ..."
 
 
 def add_training_arguments(parser):
-    parser.add_argument("--epochs", type=at_least(1), default=10)
+    number = {"metavar": "N", "type": at_least(1)}  # a count of at least 1
     parser.add_argument(
-        "--batch-size", type=at_least(1), default=32, help="per process"
+        "--epochs", **number, default=10, help="passes over the training set"
     )
-    parser.add_argument("--lr", type=positive, default=0.1)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--num-workers", type=at_least(0), default=2, help="per process"
+        "--batch-size",
+        **number,
+        default=32,
+        help="samples per process and step: the global batch is N x processes x "
+        "--grad-accum",
     )
-    parser.add_argument("--train-size", type=at_least(1), default=2048)
-    parser.add_argument("--val-size", type=at_least(1), default=512)
-    parser.add_argument("--output-dir", default="outputs")
     parser.add_argument(
-        "--amp",
-        choices=tuple(AMP_DTYPES),
-        default="none",
-        help="mixed precision: autocast to bfloat16 or float16 (with loss scaling)",
+        "--lr",
+        type=not_negative,
+        default=0.1,
+        metavar="F",
+        help="learning rate (0 trains nothing: a probe of data, evaluation, speed)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        metavar="N",
+        help="initial weights and data order, the same on every rank",
+    )
+    parser.add_argument(
+        "--num-workers",
+        type=at_least(0),
+        default=2,
+        metavar="N",
+        help="DataLoader worker processes per training process",
+    )
+    parser.add_argument(
+        "--train-size", **number, default=2048, help="samples of the built-in data"
+    )
+    parser.add_argument(
+        "--val-size", **number, default=512, help="validation samples of the same"
+    )
+    parser.add_argument(
+        "--output-dir",
+        default="outputs",
+        metavar="DIR",
+        help="where checkpoints, final weights, metrics and plots go",
+    )
+    parser.add_argument(
+        "--resume",
+        default="auto",
+        metavar="{auto,never,PATH}",
+        help="auto: continue from DIR/checkpoint_last.pt when it exists",
+    )
+    parser.add_argument(
+        "--evaluate",
+        metavar="PATH",
+        help="only evaluate the weights in PATH (model_final.pt or a checkpoint) on "
+        "the validation set and print the metrics; writes nothing",
     )
     parser.add_argument(
         "--grad-accum",
@@ -1258,28 +1363,31 @@ def add_training_arguments(parser):
         "--clip-grad-norm",
         type=positive,
         metavar="F",
-        help="clip the gradient norm to F before each update (default: off)",
+        help="clip the gradients' norm to F before each update",
+    )
+
+
+def add_speed_arguments(parser):
+    parser.add_argument(
+        "--amp",
+        choices=tuple(AMP_DTYPES),
+        default="none",
+        help="mixed precision: autocast to bfloat16 or float16 (with loss scaling)",
     )
     parser.add_argument(
-        "--compile", action="store_true", help="torch.compile the DDP model"
+        "--compile", action="store_true", help="torch.compile the model inside DDP"
     )
     parser.add_argument(
         "--profile-steps",
         type=at_least(0),
         default=0,
         metavar="N",
-        help="write a torch.profiler trace of N steps of rank 0 to OUTPUT_DIR/profile",
+        help="write a torch.profiler trace of N steps of rank 0 to DIR/profile",
     )
     parser.add_argument(
         "--tensorboard",
         action="store_true",
-        help="also log metrics to OUTPUT_DIR/tensorboard (needs tensorboard)",
-    )
-    parser.add_argument(
-        "--resume",
-        default="auto",
-        metavar="{auto,never,PATH}",
-        help="auto: continue from OUTPUT_DIR/checkpoint_last.pt when it exists",
+        help="also log metrics to DIR/tensorboard (needs tensorboard)",
     )
 
 
@@ -1293,6 +1401,7 @@ def add_running_arguments(parser):
     parser.add_argument(
         "--dist-timeout",
         type=positive,
+        metavar="S",
         default=os.environ.get("DIST_TIMEOUT", "600"),
         help="seconds to wait for the other processes at start-up, and that a process "
         "may go without progress before the job ends with a report of where each "
@@ -1307,25 +1416,40 @@ def add_running_arguments(parser):
     parser.add_argument(
         "--nproc-per-node",
         type=at_least(1),
+        metavar="N",
         default=torch.cuda.device_count() or 2,
         help="processes on this machine (default: one per GPU, or 2 on CPU)",
     )
 {% if multi %}
     parser.add_argument(
-        "--nnodes", type=at_least(1), default=1, help="machines taking part"
+        "--nnodes",
+        type=at_least(1),
+        default=1,
+        metavar="N",
+        help="machines taking part",
     )
     parser.add_argument(
-        "--node-rank", type=at_least(0), default=0, help="0 to nnodes - 1"
+        "--node-rank",
+        type=at_least(0),
+        default=0,
+        metavar="N",
+        help="this machine's number, 0 to nnodes - 1",
     )
-    parser.add_argument("--master-addr", default="127.0.0.1", help="node 0's address")
+    parser.add_argument(
+        "--master-addr", default="127.0.0.1", metavar="A", help="machine 0's address"
+    )
     parser.add_argument(
         "--master-port",
         type=at_least(1, 65535),
-        help="port on node 0 (default: a free port; 29500 when nnodes > 1)",
+        metavar="P",
+        help="port on machine 0 (default: a free port; 29500 when nnodes > 1)",
     )
 {% else %}
     parser.add_argument(
-        "--master-port", type=at_least(1, 65535), help="default: a free port"
+        "--master-port",
+        type=at_least(1, 65535),
+        metavar="P",
+        help="the rendezvous port (default: a free port)",
     )
 {% endif %}
     # Accepted for torch.distributed.launch compatibility and ignored: workers get their
