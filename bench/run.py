@@ -24,12 +24,15 @@ import tempfile
 import time
 from pathlib import Path
 
+from streams import make_stream_project
+
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 VENV_PYTHON = BENCH / ".venv" / "bin" / "python"
 CONTENDERS = {  # name: script; the first is what the ratios divide by
     "handwritten": "handwritten_ddp.py",
     "generated": "generated_entry.py",
+    "generated_stream": "generated_entry.py",  # the same, its data as a stream
     "accelerate": "accelerate_loop.py",
     "fabric": "fabric_loop.py",
 }
@@ -214,12 +217,16 @@ def command_for(name, args, project, nproc, out_dir):
     common = [f"--batch-size={args.batch_size}", f"--lr={args.lr}"]
     common += [f"--seed={args.seed}", f"--num-workers={args.num_workers}"]
     val_size = args.batch_size * nproc  # one batch a rank (only the project evaluates)
-    if name == "generated":
+    if name.startswith("generated"):
         train_size = args.steps * args.batch_size * nproc  # one epoch = --steps steps
+        # A stream has no length: its run is --max-steps long (the same steps).
+        length = "--epochs=1" if name == "generated" else f"--max-steps={args.steps}"
+        if name == "generated_stream":
+            project = args.stream_project
         return launcher + [
             str(project),
             "--",
-            "--epochs=1",
+            length,
             f"--train-size={train_size}",
             f"--val-size={val_size}",
             f"--output-dir={out_dir}",
@@ -428,6 +435,9 @@ def targets(runs, names):
         checks.append(
             ("first step: generated / hand-written <= 1.10", ratio, 1.1, "<=")
         )
+    if {"generated", "generated_stream"} <= set(names):
+        ratio = paired_ratio(runs, "generated_stream", "generated", key)
+        checks.append(("steady: stream / map-style data >= 0.97", ratio, 0.97, ">="))
     for other in ("accelerate", "fabric"):
         if {"generated", other} <= set(names):
             ratio = paired_ratio(runs, "generated", other, key)
@@ -545,6 +555,9 @@ def main():
     project = project.resolve()
     if not (project / "main_multi_gpu.py").is_file():
         raise SystemExit(f"error: {project} has no main_multi_gpu.py")
+    args.stream_project = None
+    if "generated_stream" in names:
+        args.stream_project = str(make_stream_project(project, workdir / "stream"))
     machine = machine_info(torch, nproc)
     template = None if args.project else template_version(args.template)
     print(f"project {project}\nlogs {workdir}\n{machine['device']}, {machine['cpu']}")

@@ -197,14 +197,18 @@ def without_batchnorm(project):
         edit(project, f"nn.BatchNorm2d({channels}),", "nn.Identity(),")
 
 
-# The line of the training loop that makes each optimizer update; code added after it
-# runs after every update, with rank, epoch and step (0-based) in scope.
-UPDATE = "            update(t, sums.take_group_units())\n"
+# The line of the training loop that records each optimizer update; code added after
+# it runs after every update, with `here` in scope: "rank:epoch:step" (0-based, step
+# the micro-batch of this process within the pass).
+UPDATE = "            at.step, at.samples, at.stream = at.step + 1, position, state\n"
+HERE = f"""{UPDATE}            per_step = dist.get_world_size() * args.batch_size
+            step = -(-position // per_step) - 1
+            here = f"{{dist.get_rank()}}:{{at.epoch}}:{{step}}"
+"""
 
 # After every optimizer update: when TEST_ACT_AT is "rank:epoch:step", run the action
 # in TEST_ACTION (os.kill(...)); never in a torchrun restart.
-ACT_AFTER_STEP = f"""{UPDATE}            here = f"{{rank}}:{{epoch}}:{{step}}"
-            if os.environ.get("TEST_ACT_AT") == here and not int(
+ACT_AFTER_STEP = f"""{HERE}            if os.environ.get("TEST_ACT_AT") == here and not int(
                 os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
             ):
                 exec(os.environ["TEST_ACTION"])

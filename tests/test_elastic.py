@@ -25,7 +25,7 @@ from conftest import (
 COMMON = ["--epochs", "3", "--batch-size", "8", "--num-workers", "0"]
 COMMON += ["--val-size", "37", "--lr", "0.02"]
 SHORT = [*COMMON, "--train-size", "64"]  # 2 processes: 4 steps an epoch
-LONG = [*COMMON, "--train-size", "512"]  # 2 processes: 32 steps, a check at 20
+LONG = [*COMMON, "--train-size", "512"]  # 2 processes: 32 steps an epoch
 # rank 0, after its update at step 5 of epoch 2, stops the job as Slurm would.
 SIGTERM_IN_EPOCH_2 = {
     "TEST_ACT_AT": "0:1:5",
@@ -104,16 +104,17 @@ def test_one_process_then_two_at_an_epoch_boundary(projects, reference, tmp_path
 def test_two_processes_then_one_in_the_middle_of_an_epoch(
     projects, reference, tmp_path, launcher
 ):
-    """Stopped by SIGTERM 20 steps into epoch 2 (320 samples of 512), resumed by one
-    process at its step 40: the same samples, the same updates."""
+    """Stopped by SIGTERM in epoch 2, at the check of update 40 (8 steps, 128 samples
+    of 512, into the epoch), resumed by one process at its step 16: the same samples,
+    the same updates."""
     out = tmp_path / "out"
     output = run_single(
         projects[launcher], out, 2, *LONG, env=SIGTERM_IN_EPOCH_2, expect=143
     )
-    assert "preempted: saved" in output and "in epoch 2 after 20 steps" in output
+    assert "preempted: saved" in output and "in epoch 2 after 8 steps" in output
     output = run_single(projects[launcher], out, 1, *LONG)
     assert output.count(KEPT_2_TO_1) == 1, output
-    assert "in epoch 2 after 40 steps" in output
+    assert "in epoch 2 after 16 steps" in output
     assert_same_end(out, reference(2, LONG))
 
 
@@ -123,10 +124,10 @@ def test_one_process_then_two_in_the_middle_of_an_epoch(projects, reference, tmp
     output = run_single(
         projects["torchrun"], out, 1, *first, env=SIGTERM_IN_EPOCH_2, expect=143
     )
-    assert "in epoch 2 after 40 steps" in output  # 20 updates of 2 micro-batches
+    assert "in epoch 2 after 16 steps" in output  # 8 updates of 2 micro-batches
     output = run_single(projects["torchrun"], out, 2, *LONG)
     assert output.count(KEPT_1_TO_2) == 1, output
-    assert "in epoch 2 after 20 steps" in output
+    assert "in epoch 2 after 8 steps" in output
     assert_same_end(out, reference(2, LONG))
 
 

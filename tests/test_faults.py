@@ -29,7 +29,7 @@ from conftest import (
 
 ARGS = ["--epochs", "3", "--batch-size", "8", "--num-workers", "0", "--val-size", "37"]
 SHORT = [*ARGS, "--train-size", "64"]  # 4 steps per epoch and rank
-LONG = [*ARGS, "--train-size", "512"]  # 32 steps: a SIGTERM check at step 20
+LONG = [*ARGS, "--train-size", "512"]  # 32 steps an epoch: checks at updates 20, 40
 KILL = "os.kill(os.getpid(), signal.SIGKILL)"
 
 
@@ -242,16 +242,18 @@ def test_sigterm_saves_then_resume_ends_the_same(
     assert "Traceback" not in output
     assert seconds < 60 and left == [], output
     last = out_dir / "checkpoint_last.pt"
-    line = f"preempted: saved {last} in epoch 2 after 20 steps"
+    # The check after update 40, 8 steps into epoch 2 (of 32 steps).
+    line = f"preempted: saved {last} in epoch 2 after 8 steps"
     assert output.count(line) == 1, output
     checkpoint = load_weights(last)
-    # 20 steps of 2 ranks x 8 samples into epoch 2, in global samples.
-    assert (checkpoint["epoch"], checkpoint["epoch_samples"]) == (1, 20 * 2 * 8)
+    # 8 steps of 2 ranks x 8 samples into epoch 2, in global samples.
+    assert (checkpoint["epoch"], checkpoint["epoch_samples"]) == (1, 8 * 2 * 8)
+    assert checkpoint["step"] == 40
 
     command, env = single(out_dir, LONG)
     code, output = run_job(command, project, env)
     assert code == 0, output
-    assert f"resumed from {last} in epoch 2 after 20 steps" in output
+    assert f"resumed from {last} in epoch 2 after 8 steps" in output
     final = load_weights(out_dir / "model_final.pt")
     assert max_difference(final, reference(LONG)) < 1e-5
     with (out_dir / "metrics.csv").open() as f:

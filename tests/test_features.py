@@ -14,6 +14,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import (
+    HERE,
     TINY,
     UPDATE,
     bake,
@@ -157,11 +158,11 @@ def test_without_numpy_matplotlib_or_tensorboard(project, tmp_path):
 
 # After each optimizer step: rank 0 prints its minor page faults per step over 180
 # steady steps (10 to 190), memory the C allocator returned to the kernel and takes back.
-PAGE_FAULTS = f"""{UPDATE}            if rank == 0 and step in (10, 190):
+PAGE_FAULTS = f"""{HERE}            if here in ("0:0:10", "0:0:190"):
                 import resource
 
                 faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-                if step == 190:
+                if here == "0:0:190":
                     print(f"page faults per step: {{(faults - faults_at_10) / 180}}")
                 faults_at_10 = faults
 """

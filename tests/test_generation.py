@@ -95,12 +95,10 @@ def test_only_the_chosen_variant_is_in_the_script(baked):
             answers["save_strategy"] == "every_epoch"
         )
         resumable = answers["save_strategy"] != "final_only"
-        # Every epoch (under "if is_main:"), or only on SIGTERM (final_only).
-        every_epoch = "\n                save_atomic(state, last_path)\n"
-        on_sigterm = (
-            "\n                    save_atomic(snapshot(t, epoch + 1), last_path)\n"
-        )
-        assert (every_epoch in code, on_sigterm in code) == (resumable, not resumable)
+        # At every pass's end, or only on a stop or --save-every (final_only).
+        every_pass = "\n    if stop or saving or end:\n"
+        on_stop = "\n    if stop or saving:  # final_only keeps none at a pass's end\n"
+        assert (every_pass in code, on_stop in code) == (resumable, not resumable)
         assert ("--nnodes" in code) == (
             answers["launcher"] == "spawn" and answers["nodes"] == "multi"
         )

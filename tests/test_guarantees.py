@@ -153,9 +153,12 @@ def test_resume_with_a_restarted_data_order_differs(tmp_path):
     train(project, full, 2, *args, "--epochs", "3")
     train(project, cut, 2, *args, "--epochs", "1")
     edit(
+        project, "NUM_CLASSES = 10\n", "NUM_CLASSES = 10\nPASSES = []  # of this run\n"
+    )
+    edit(
         project,
-        "train_sampler.set_epoch(epoch,",
-        "train_sampler.set_epoch(epoch - start.epoch,",
+        "    t.train_data.set_epoch(at.epoch,",
+        "    PASSES.append(at.epoch)\n    t.train_data.set_epoch(len(PASSES) - 1,",
     )
     train(project, cut, 2, *args, "--epochs", "3")
     assert (

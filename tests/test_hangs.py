@@ -134,7 +134,7 @@ def test_a_rank_stuck_in_compute_loss_is_named_with_its_stack(tmp_path, launcher
     assert stack.startswith("[rank 1] thread MainThread (most recent call last):")
     assert "in compute_loss\n[rank 1]     time.sleep(1000)  # stuck" in stack
     assert "thread hang watch" not in stack  # the reporter itself is left out
-    assert "in train_epoch" in stack_of(output, 0)
+    assert "in train_pass" in stack_of(output, 0)
 
 
 def test_a_rank_that_takes_an_extra_collective(tmp_path):
@@ -159,7 +159,7 @@ def test_a_rank_with_a_stuck_dataloader_worker(tmp_path):
     )
     _, rank1, verdict = summary(output)
     assert re.fullmatch(
-        r"  rank 1: batches, line \d+: .*\(waits for its DataLoader workers\)", rank1
+        r"  rank 1: pass_data, line \d+: .*\(waits for its DataLoader workers\)", rank1
     ), output
     assert verdict.startswith("rank 1: no progress outside a collective"), output
     # The worker's own stack follows its announcement, down to the stuck line.

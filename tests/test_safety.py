@@ -217,11 +217,11 @@ def test_ctrl_c_saves_like_sigterm(tmp_path, launcher):
     code, output, seconds, left = single(project, out, LONG, **env)
     assert code == 130 and left == [] and seconds < 60, output
     last = out / "checkpoint_last.pt"
-    line = f"interrupted: saved {last} in epoch 2 after 20 steps; run again to resume"
+    line = f"interrupted: saved {last} in epoch 2 after 8 steps; run again to resume"
     assert output.count(line) == 1, output
     assert "Traceback" not in output and "error" not in output.lower(), output
     checkpoint = load_weights(last)
-    assert (checkpoint["epoch"], checkpoint["epoch_samples"]) == (1, 20 * 2 * 8)
+    assert (checkpoint["epoch"], checkpoint["epoch_samples"]) == (1, 8 * 2 * 8)
     if launcher == "spawn":
         # Resumed to its end, final_only keeps no checkpoint: a rerun starts afresh.
         code, output, _, _ = single(project, out, LONG)

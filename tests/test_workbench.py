@@ -256,7 +256,14 @@ def test_tabular_mlp_with_dropout_trains_resumes_and_scales(tmp_path):
     args = ["--lr", "0.01", "--batch-size", "8"]
     full = resumed_equals_uninterrupted(project, tmp_path, 2, *args)
     rows = metrics(full)
-    assert list(rows[0])[:5] == ["epoch", "train_loss", "val_loss", "val_mae", "lr"]
+    assert list(rows[0])[:6] == [
+        "epoch",
+        "step",
+        "train_loss",
+        "val_loss",
+        "val_mae",
+        "lr",
+    ]
     assert float(rows[-1]["val_loss"]) < 0.5 * float(rows[0]["val_loss"])  # learns
 
     # Dropout draws other numbers on 2 ranks than on 1, so the equivalence needs it

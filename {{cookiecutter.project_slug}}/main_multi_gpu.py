@@ -16,6 +16,7 @@
 
 import argparse
 import contextlib
+import copy
 import csv
 import ctypes
 import faulthandler
@@ -35,7 +36,7 @@ import threading
 import time
 import traceback
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sized
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -60,17 +61,23 @@ from torch.utils.data import (
     BatchSampler,
     DataLoader,
     DistributedSampler,
+    IterableDataset,
     Sampler,
     Subset,
     TensorDataset,
+    default_collate,
+    get_worker_info,
 )
 {% else %}
 from torch.utils.data import (
     DataLoader,
     DistributedSampler,
+    IterableDataset,
     Sampler,
     Subset,
     TensorDataset,
+    default_collate,
+    get_worker_info,
 )
 {% endif %}
 from tqdm import tqdm
@@ -83,9 +90,11 @@ NUM_CLASSES = 10
 
 
 def build_datasets(args):
-    """Return (train_set, val_set): map-style datasets whose items DataLoader's default
-    collate can batch (tensors, or tuples, lists and dicts of them); a dataset with a
-    collate_fn attribute (e.g. to pad sequences) is batched with it.
+    """Return (train_set, val_set): datasets whose items DataLoader's default collate
+    can batch (tensors, or tuples, lists and dicts of them); a dataset with a
+    collate_fn attribute (e.g. to pad sequences) is batched with it. Map-style
+    (__len__ and __getitem__), or streams (IterableDataset: see the README's "Your
+    data as a stream"; a training stream without __len__ needs --max-steps).
 
     Here a synthetic 10-class image task, identical on every rank for a given seed.
     For your own data, return e.g. torchvision.datasets.ImageFolder("data/train", ...)
@@ -297,93 +306,180 @@ class Training:
     optimizer: torch.optim.Optimizer
     scheduler: object  # an LR scheduler, or None
     scaler: torch.amp.GradScaler
-    train_sampler: Sampler  # a ResumableSampler
+    train_data: object  # what places a pass: a ResumableSampler, or a StreamShard
     train_loader: DataLoader
     val_loader: DataLoader
-    steps_per_epoch: int  # micro-batches per epoch and rank
+    steps_per_pass: int  # micro-batches per pass and rank (None: a stream's, unknown)
     total_updates: int  # optimizer updates in the whole run
+    sums: object = None  # the LossSums of the training since the last evaluation
 {% if strategy == "best" %}
     best_val_loss: float = math.inf
 {% endif %}
 
 
+@dataclass
+class Position:
+    """Where training stands, as a checkpoint keeps it."""
+
+    epoch: int = 0  # passes over the training data done
+    samples: int = 0  # samples of the next pass trained, over all ranks
+    step: int = 0  # optimizer updates done
+    stream: dict = None  # the training stream's state_dict() there, where it has one
+
+
 def train(args, device):
-    """Build, resume, train epoch by epoch, save. Returns the exit status: 0, or
+    """Build, resume, train pass by pass, save. Returns the exit status: 0, or
     128 + the signal (SIGTERM, Ctrl-C) that stopped it after saving a checkpoint."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    is_main = rank == 0
     out_dir = Path(args.output_dir)
     last_path = out_dir / "checkpoint_last.pt"
     checkpoint = load_checkpoint(args.resume, last_path, device)
     t = build_training(args, device, checkpoint)
-    start = resume(t, checkpoint, out_dir)
+    at = resume(t, checkpoint, out_dir)
     with Reports(t, out_dir) as reports:
-        for epoch in range(start.epoch, args.epochs):
-            first_step = start.step if epoch == start.epoch else 0  # > 0 mid-epoch
-            # DDP change 2: a new shuffle each epoch, the same on every rank. Without
-            # this call every epoch repeats the first epoch's order.
-{% if cookiecutter.use_batch_sampler %}
-            # (The BatchSampler draws from this same sampler, so it follows.)
-{% endif %}
-            t.train_sampler.set_epoch(epoch, start=first_step * args.batch_size)
-            # Per-rank randomness (dropout, augmentation): the same after a resume at
-            # an epoch boundary; after a mid-epoch stop, the rest of the epoch differs.
-            torch.manual_seed(args.seed + epoch * world_size + rank)
-            carried = start.sums if epoch == start.epoch else (0.0, 0.0)
-            result = train_epoch(t, epoch, first_step, carried, reports)
-            if result.stopped_at is not None:  # a stop signal: save where we are
-                if is_main:
-                    state = snapshot(t, epoch, result.stopped_at, result.sums)
-                    save_atomic(state, last_path)
-                where = f"in epoch {epoch + 1} after {result.stopped_at} steps"
-                return stopped(last_path, where)
-
-            # Evaluate the weights rank 0 saves: parameters match on every rank, but
-            # each rank keeps its own BatchNorm running statistics, so take rank 0's.
-            # Use the plain model: DDP's forward would wait for ranks with more
-            # validation batches.
-            for buffer in t.model.buffers():
-                dist.broadcast(buffer, src=0)
-            metrics = evaluate(t.model, t.val_loader, device)
-            if is_main:
-                reports.epoch_done(epoch, result, metrics)
-{% if strategy == "best" %}
-                improved = metrics["loss"] < t.best_val_loss
-                t.best_val_loss = min(t.best_val_loss, metrics["loss"])
-{% endif %}
-{% if strategy != "final_only" %}
-                # DDP change 4: rank 0 alone saves.
-                state = snapshot(t, epoch + 1)
-                save_atomic(state, last_path)
-{% endif %}
-{% if strategy == "best" %}
-                if improved:
-                    save_atomic(state, out_dir / "checkpoint_best.pt")
-{% elif strategy == "every_epoch" %}
-                save_atomic(state, out_dir / f"checkpoint_epoch{epoch + 1:03d}.pt")
-{% endif %}
-            if result.stop and epoch + 1 < args.epochs:
-{% if strategy == "final_only" %}
-                if is_main:
-                    save_atomic(snapshot(t, epoch + 1), last_path)
-{% endif %}
-                return stopped(last_path, f"after epoch {epoch + 1}")
-    if is_main:
+        while not finished(t, at):
+            if train_pass(t, at, reports):  # a stop signal: saved, so stop
+                return stopped(last_path, at, args.batch_size)
+    if dist.get_rank() == 0:
         # DDP change 4: the plain model's weights (not the DDP wrapper's), saved once.
         save_atomic(t.model.state_dict(), out_dir / "model_final.pt")
 {% if strategy == "final_only" %}
-        last_path.unlink(missing_ok=True)  # a stop's checkpoint, resumed to the end
+        last_path.unlink(missing_ok=True)  # a stop's or --save-every's checkpoint
 {% endif %}
         plotted = plot_losses(out_dir / "metrics.csv", out_dir / "loss.png")
         report_outputs(out_dir, plotted, args.tensorboard)
     return 0
 
 
+def finished(t, at):
+    if t.args.max_steps:
+        return at.step >= t.args.max_steps
+    return at.epoch >= t.args.epochs
+
+
+def train_pass(t, at, reports):
+    """Train on this rank's share of a pass, from `at` to the pass's end (or to
+    --max-steps): forward, backward, an optimizer update every --grad-accum
+    micro-batches, and after each update what falls due (a check, an evaluation, a
+    save). Returns True when a stop signal asks to stop, after saving."""
+    args, device = t.args, t.device
+    t.ddp_model.train()
+    # Per-rank randomness (dropout, augmentation): the same after a resume at a pass
+    # boundary; after a mid-pass stop, the rest of the pass differs.
+    torch.manual_seed(args.seed + at.epoch * dist.get_world_size() + dist.get_rank())
+    t.sums.start_pass(at, args.batch_size)
+    micro = 0  # micro-batches of this pass in this run
+    for batch, real, position, last, state in reports.batches(pass_data(t, at), at):
+        batch = to_device(batch, device)
+        micro += 1
+        sync = micro % args.grad_accum == 0 or last
+        # DDP change 3: the gradient all-reduce runs in the backward pass of the last
+        # micro-batch of each update only; no_sync() skips it for the others.
+        with contextlib.nullcontext() if sync else t.ddp_model.no_sync():
+            with torch.autocast(device.type, AMP_DTYPES[args.amp], args.amp != "none"):
+                loss, n = compute_loss(t.ddp_model, batch)
+            n = n if real else 0  # a stand-in batch at a stream's end weighs nothing
+            # The loss summed over the batch's n units, at the usual scale (n / batch
+            # size is 1 for a per-sample loss); update() divides by the global units.
+            t.scaler.scale(loss * (n / args.batch_size)).backward()
+        t.sums.add(loss, n)
+        if sync:
+            update(t, t.sums.take_group_units())
+            at.step, at.samples, at.stream = at.step + 1, position, state
+            if last:  # the pass is done
+                at.epoch, at.samples, at.stream = at.epoch + 1, 0, None
+            if after_update(t, at, reports, last):
+                return True
+            if at.step == args.max_steps:
+                return False
+    if not micro:
+        raise failure("error: build_datasets() returned an empty training stream")
+    return False
+
+
+def pass_data(t, at):
+    """This rank's batches of the pass from `at` on, each as (batch, real: False for
+    a stand-in, the pass's samples done after it over all ranks, whether it ends the
+    pass, the stream's state_dict() there or None)."""
+    # DDP change 2: a new shuffle each pass, the same on every rank. Without this
+    # call every pass repeats the first one's order.
+{% if cookiecutter.use_batch_sampler %}
+    # (The BatchSampler draws from this same sampler, so it follows.)
+{% endif %}
+    t.train_data.set_epoch(at.epoch, at.samples, at.stream)
+    if isinstance(t.train_data, StreamShard):
+        yield from t.train_loader  # it says all of that itself
+        return
+    start, per_step = at.samples, t.args.batch_size * dist.get_world_size()
+    total = len(t.train_data.sampler) * dist.get_world_size()  # padded to equal shares
+    steps = len(t.train_loader)
+    for j, batch in enumerate(t.train_loader, 1):
+        yield batch, True, min(start + j * per_step, total), j == steps, None
+
+
+def after_update(t, at, reports, last):
+    """What falls due after an update: every LOG_EVERY updates a check; an
+    evaluation at --eval-every, a pass's end and the run's end; a checkpoint at
+    --save-every, a pass's end, a better evaluation (save strategy permitting) and
+    a stop signal. Returns True when a stop signal asks to stop (after saving)."""
+    args = t.args
+    end = last or at.step == args.max_steps
+    evaluating = end or (args.eval_every and at.step % args.eval_every == 0)
+    saving = args.save_every and at.step % args.save_every == 0
+    if not (evaluating or saving or at.step % LOG_EVERY == 0):
+        return False
+    stop = check(t, reports) and not finished(t, at)
+{% if strategy == "best" %}
+    names = []  # the checkpoints to write
+{% endif %}
+    if evaluating:
+        reports.step_done()  # the training before the evaluation, timed
+        # Evaluate the weights rank 0 saves: parameters match on every rank, but
+        # each rank keeps its own BatchNorm running statistics, so take rank 0's.
+        # Use the plain model: DDP's forward would wait for ranks with more
+        # validation batches.
+        for buffer in t.model.buffers():
+            dist.broadcast(buffer, src=0)
+        metrics = evaluate(t.model, t.val_loader, t.device)
+        reports.row(at, metrics)
+{% if strategy == "best" %}
+        if metrics["loss"] < t.best_val_loss:
+            t.best_val_loss = metrics["loss"]
+            names.append("checkpoint_best.pt")
+    if stop or saving or end:
+        names.append("checkpoint_last.pt")
+    if names:
+        save_checkpoints(t, at, names)
+{% elif strategy == "every_epoch" %}
+    if stop or saving or end:
+        names = ["checkpoint_last.pt"]
+        if last:
+            names.append(f"checkpoint_epoch{at.epoch:03d}.pt")
+        save_checkpoints(t, at, names)
+{% elif strategy == "final_only" %}
+    if stop or saving:  # final_only keeps none at a pass's end
+        save_checkpoints(t, at, ["checkpoint_last.pt"])
+{% else %}
+    if stop or saving or end:
+        save_checkpoints(t, at, ["checkpoint_last.pt"])
+{% endif %}
+    return stop
+
+
+def save_checkpoints(t, at, names):
+    """DDP change 4: rank 0 alone saves, the state at `at` under each name. (Every
+    rank calls it: the checkpoint's loss sums are added up over the ranks.)"""
+    state = snapshot(t, at)
+    if dist.get_rank() == 0:
+        for name in names:
+            save_atomic(state, Path(t.args.output_dir) / name)
+
+
 def datasets(args):
-    """build_datasets(), refusing an empty set in one line."""
+    """build_datasets(), refusing an empty set in one line (a stream without a
+    length: when it yields nothing)."""
     train_set, val_set = build_datasets(args)
     for name, data in (("training", train_set), ("validation", val_set)):
-        if len(data) == 0:
+        if isinstance(data, Sized) and len(data) == 0:
             raise failure(f"error: build_datasets() returned an empty {name} set")
     return train_set, val_set
 
@@ -394,9 +490,20 @@ def build_training(args, device, checkpoint):
     settle_global_batch(args, checkpoint, world_size)
     torch.manual_seed(args.seed)  # reproducible initial weights and data
     train_set, val_set = datasets(args)
-    train_sampler, train_loader, val_loader = build_loaders(
+    train_data, train_loader, val_loader = build_loaders(
         train_set, val_set, args, device
     )
+    steps_per_pass = pass_steps(train_set, train_loader, args)
+    if args.max_steps:
+        total_updates = args.max_steps
+    elif steps_per_pass is None:
+        raise failure(
+            "error: build_datasets() returned a training stream without a length: "
+            "give the run's length in optimizer updates, --max-steps N",
+            status=2,
+        )
+    else:
+        total_updates = args.epochs * math.ceil(steps_per_pass / args.grad_accum)
     model = build_model(args)
 {% if cookiecutter.sync_bn %}
     if device.type == "cuda":
@@ -416,8 +523,6 @@ def build_training(args, device, checkpoint):
         if CHANNELS_LAST and all(p.dim() < 5 for p in model.parameters()):
             memory_format = torch.channels_last
     model.to(device, memory_format=memory_format)
-    steps_per_epoch = len(train_loader)  # micro-batches; --grad-accum per update
-    total_updates = args.epochs * math.ceil(steps_per_epoch / args.grad_accum)
     optimizer, scheduler = build_optimizer(model, args, total_updates)
     # float16 needs loss scaling against underflowing gradients; otherwise a no-op.
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
@@ -441,12 +546,21 @@ def build_training(args, device, checkpoint):
         optimizer,
         scheduler,
         scaler,
-        train_sampler,
+        train_data,
         train_loader,
         val_loader,
-        steps_per_epoch,
+        steps_per_pass,
         total_updates,
     )
+
+
+def pass_steps(train_set, train_loader, args):
+    """Micro-batches per pass and rank; None for a stream without a length."""
+    if not isinstance(train_set, IterableDataset):
+        return len(train_loader)
+    if not isinstance(train_set, Sized):
+        return None
+    return math.ceil(len(train_set) / (args.batch_size * dist.get_world_size()))
 
 
 def loader_options(data, args, device):
@@ -460,26 +574,34 @@ def loader_options(data, args, device):
 
 
 def build_loaders(train_set, val_set, args, device):
+    """DDP change 2: each rank reads a different 1/world_size of the training set
+    (a single-GPU script would pass shuffle=True to the DataLoader instead)."""
+    if isinstance(train_set, IterableDataset):
+        train_data = StreamShard(train_set, args.batch_size, lockstep=True)
+        options = loader_options(train_data, args, device)
+        train_loader = DataLoader(train_data, batch_size=None, **options)
+        return train_data, train_loader, build_val_loader(val_set, args, device)
     common = loader_options(train_set, args, device)
-    # DDP change 2: each rank reads a different 1/world_size of the training set
-    # (a single-GPU script would pass shuffle=True to the DataLoader instead).
     shard = DistributedSampler(train_set, shuffle=True, seed=args.seed)
-    train_sampler = ResumableSampler(shard)
+    train_data = ResumableSampler(shard)
 {% if cookiecutter.use_batch_sampler %}
-    batch_sampler = BatchSampler(train_sampler, args.batch_size, drop_last=False)
+    batch_sampler = BatchSampler(train_data, args.batch_size, drop_last=False)
     train_loader = DataLoader(train_set, batch_sampler=batch_sampler, **common)
 {% else %}
     train_loader = DataLoader(
-        train_set, batch_size=args.batch_size, sampler=train_sampler, **common
+        train_set, batch_size=args.batch_size, sampler=train_data, **common
     )
 {% endif %}
-    return train_sampler, train_loader, build_val_loader(val_set, args, device)
+    return train_data, train_loader, build_val_loader(val_set, args, device)
 
 
 def build_val_loader(val_set, args, device):
     """Validation shards take every world_size-th sample with no padding, so the
     summed metrics count each sample exactly once (DistributedSampler would repeat
-    some)."""
+    some); a stream is cut the same way."""
+    if isinstance(val_set, IterableDataset):
+        shard = StreamShard(val_set, args.batch_size, lockstep=False)
+        return DataLoader(shard, batch_size=None, **loader_options(shard, args, device))
     rank, world_size = dist.get_rank(), dist.get_world_size()
     shard = Subset(val_set, range(rank, len(val_set), world_size))
     options = loader_options(val_set, args, device)
@@ -488,20 +610,83 @@ def build_val_loader(val_set, args, device):
 
 class ResumableSampler(Sampler):
     """The shard of a DistributedSampler, from a given position: a run stopped
-    mid-epoch resumes with the next batch, without reading the ones already done."""
+    mid-pass resumes with the next batch, without reading the ones already done."""
 
     def __init__(self, sampler):
         self.sampler, self.start = sampler, 0
 
-    def set_epoch(self, epoch, start=0):
+    def set_epoch(self, epoch, samples=0, state=None):
+        """Pass `epoch`, after `samples` of it (over all ranks); a sampler needs no
+        `state` to get there."""
         self.sampler.set_epoch(epoch)
-        self.start = start
+        self.start = samples // self.sampler.num_replicas
 
     def __iter__(self):
         return itertools.islice(self.sampler, self.start, None)
 
     def __len__(self):
         return len(self.sampler) - self.start
+
+
+class StreamShard(IterableDataset):
+    """DDP change 2 for a stream (an IterableDataset, from build_datasets): this
+    rank's share of it, cut as DistributedSampler and BatchSampler cut a map-style
+    set (the stream shuffles itself, or not). Each pass is read in blocks of
+    world_size x batch_size items, one step of every rank; a rank takes every
+    world_size-th item of a block from its rank on, and its DataLoader worker w the
+    blocks w, w + workers, ... So within a pass every item is used once, a global
+    batch is the same items for any number of processes and workers, and every rank
+    takes the same steps: where the last block leaves a rank nothing, it takes a
+    stand-in step on other items that weighs nothing (lockstep: training only).
+
+    Every reader (rank and worker) reads the whole stream and skips the items of the
+    others: keep them cheap to read, and decode in the dataset's collate_fn, which
+    runs on a reader's own items only. A resume starts a pass in the middle: a stream
+    with state_dict() and load_state_dict() goes there at once, another is read up to
+    there again."""
+
+    def __init__(self, stream, batch_size, lockstep):
+        self.stream, self.batch_size, self.lockstep = stream, batch_size, lockstep
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.collate = getattr(stream, "collate_fn", None) or default_collate
+        self.epoch, self.start, self.state = 0, 0, None
+
+    def set_epoch(self, epoch, samples=0, state=None):
+        """Pass `epoch`, after `samples` of its items, where the stream's
+        state_dict() was `state` (if it has one)."""
+        self.epoch, self.start, self.state = epoch, samples, state
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        # This reader reads the whole stream: hide the workers from a stream that
+        # would split itself among them (as Hugging Face's does).
+        torch.utils.data._utils.worker._worker_info = None
+        stream, width = self.stream, self.world_size * self.batch_size
+        if hasattr(stream, "set_epoch"):
+            stream.set_epoch(self.epoch)
+        if self.state is not None and hasattr(stream, "load_state_dict"):
+            stream.load_state_dict(self.state)
+            items = iter(stream)
+        else:
+            items = itertools.islice(stream, self.start, None)  # read up to there
+        # Rank 0's batches carry the state a checkpoint after them keeps.
+        keep = self.lockstep and self.rank == 0 and hasattr(stream, "state_dict")
+        position, pending = self.start, None
+        for step in itertools.count():
+            state = copy.deepcopy(stream.state_dict()) if keep and pending else None
+            block = list(itertools.islice(items, width))
+            if pending:  # the previous block's: now known to end the pass or not
+                yield (*pending, not block, state) if self.lockstep else pending[0]
+            if not block:
+                return
+            position += len(block)
+            share = block[self.rank :: self.world_size]
+            pending = None
+            if step % workers == worker and (share or self.lockstep):
+                # No share in the last block: a stand-in, other items of the block.
+                batch = self.collate(share or block[: self.batch_size])
+                pending = (batch, bool(share), position)
 
 
 def loader_worker_init(worker_id):
@@ -528,66 +713,23 @@ def to_device(batch, device):
     return batch
 
 
-@dataclass
-class EpochResult:
-    sums: tuple  # loss sum and units over all ranks, steps before a resume included
-    samples: int  # global samples trained in this run's part of the epoch
-    began: float  # time.perf_counter() at its start
-    seconds: float  # training time
-    stopped_at: int  # the steps done, when a stop signal cut the epoch short; or None
-    stop: bool  # a stop signal arrived: stop after this epoch
-
-
-def train_epoch(t, epoch, first_step, carried, reports):
-    """Train on this rank's shard of the epoch, from first_step: forward, backward, and
-    every --grad-accum micro-batches an optimizer update."""
-    args, device = t.args, t.device
-    t.ddp_model.train()
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    # The sums carried over a mid-epoch stop are totals over all ranks: rank 0 adds
-    # them, once.
-    sums = LossSums(device, carried if rank == 0 else (0.0, 0.0), first_step, args)
-    begin, stopped_at = time.perf_counter(), None
-    for step, batch in reports.batches(t.train_loader, first_step, epoch):
-        batch = to_device(batch, device)
-        last = (step + 1) % args.grad_accum == 0 or step + 1 == t.steps_per_epoch
-        # DDP change 3: the gradient all-reduce runs in the backward pass of the last
-        # micro-batch of each update only; no_sync() skips it for the others.
-        with contextlib.nullcontext() if last else t.ddp_model.no_sync():
-            with torch.autocast(device.type, AMP_DTYPES[args.amp], args.amp != "none"):
-                loss, n = compute_loss(t.ddp_model, batch)
-            # The loss summed over the batch's n units, at the usual scale (n / batch
-            # size is 1 for a per-sample loss); update() divides by the global units.
-            t.scaler.scale(loss * (n / args.batch_size)).backward()
-        sums.add(loss, n)
-        if last:
-            update(t, sums.take_group_units())
-            if (step + 1) // args.grad_accum % LOG_EVERY == 0 and check(
-                t, sums, epoch, reports
-            ):
-                stopped_at = step + 1
-                break
-    stop = check(t, sums, epoch, reports)  # the steps since the last check
-    took = time.perf_counter() - begin  # after check(), which waits for the GPU
-    totals = torch.stack([sums.loss, sums.units])
-    dist.all_reduce(totals)
-    steps = (stopped_at or t.steps_per_epoch) - first_step
-    samples = min(steps * args.batch_size, len(t.train_sampler)) * world_size
-    sums = tuple(totals.tolist())
-    return EpochResult(sums, samples, begin, took, stopped_at, stop)
-
-
 class LossSums:
-    """This rank's training loss, summed over units, and the units, on the device (no
-    sync per step); the units of the update being accumulated; and the losses since
-    the last check(), to name the step where one stopped being finite."""
+    """This rank's training loss since the last evaluation, summed over units, and
+    the units, on the device (no sync per step); the units of the update being
+    accumulated; and the losses since the last check(), to name the step where one
+    stopped being finite."""
 
-    def __init__(self, device, carried, first_step, args):
+    def __init__(self, device, args, carried=(0.0, 0.0)):
         self.loss = torch.tensor(carried[0], dtype=torch.float64, device=device)
         self.units = torch.tensor(carried[1], dtype=torch.float64, device=device)
         self.group = torch.zeros((), dtype=torch.float64, device=device)
         self.recent = torch.zeros(LOG_EVERY * args.grad_accum, device=device)
-        self.count, self.next_step = 0, first_step  # losses in recent; their step
+        self.count = 0  # losses in recent
+        self.epoch = self.next_step = 0  # the pass and micro-batch of recent[0]
+
+    def start_pass(self, at, batch_size):
+        self.epoch = at.epoch
+        self.next_step = at.samples // (batch_size * dist.get_world_size())
 
     def add(self, loss, n):
         loss = loss.detach()
@@ -600,6 +742,15 @@ class LossSums:
     def take_group_units(self):
         units, self.group = self.group, torch.zeros_like(self.group)
         return units
+
+    def totals(self, reset=False):
+        """(loss sum, units) over all ranks; reset: start counting afresh."""
+        totals = torch.stack([self.loss, self.units])
+        dist.all_reduce(totals)
+        if reset:
+            self.loss.zero_()
+            self.units.zero_()
+        return tuple(totals.tolist())
 
 
 def update(t, units):
@@ -623,10 +774,12 @@ def update(t, units):
         t.scheduler.step()
 
 
-def check(t, sums, epoch, reports):
-    """The loop's one wait for the device, every LOG_EVERY updates and at the end of
-    the epoch: every rank learns whether any rank got SIGTERM (returns True), or saw
-    a loss or weights that are not finite (then the run stops, saving nothing)."""
+def check(t, reports):
+    """The loop's one wait for the device, every LOG_EVERY updates and before every
+    evaluation and save: every rank learns whether any rank got SIGTERM (returns
+    True), or saw a loss or weights that are not finite (then the run stops, saving
+    nothing)."""
+    sums = t.sums
     recent = sums.recent[: sums.count]
     finite = torch.isfinite(recent).all() & all_finite(t.model.parameters())
     stopping = float(STOP_SIGNAL is not None)
@@ -634,7 +787,7 @@ def check(t, sums, epoch, reports):
     dist.all_reduce(flags)
     stop, diverged = flags.tolist()
     if diverged:
-        raise diverged_failure(recent, sums.next_step, epoch, t.device)
+        raise diverged_failure(recent, sums.next_step, sums.epoch, t.device)
     if len(recent):
         reports.show_loss(recent.mean())
     sums.next_step += sums.count
@@ -671,13 +824,25 @@ def diverged_failure(recent, first_step, epoch, device):
     )
 
 
-def stopped(last_path, where):
+def stopped(last_path, at, batch_size):
     """After the checkpoint a stop signal asked for: one line, and the exit status."""
     # The signal this rank got; a rank stopped by another's signal reports SIGTERM.
     signum = STOP_SIGNAL or signal.SIGTERM
     word = "interrupted" if signum == signal.SIGINT else "preempted"
-    print0(f"{word}: saved {last_path} {where}; run again to resume (--resume auto)")
+    print0(
+        f"{word}: saved {last_path} {where(at, batch_size)}; run again to resume "
+        "(--resume auto)"
+    )
     return 128 + signum
+
+
+def where(at, batch_size):
+    """A position as the run's lines say it: "after epoch 2", "in epoch 3 after 20
+    steps" (this run's steps: micro-batches of each process)."""
+    if not at.samples:
+        return f"after epoch {at.epoch}"
+    steps = at.samples // (batch_size * dist.get_world_size())
+    return f"in epoch {at.epoch + 1} after {steps} step{'s' * (steps != 1)}"
 
 
 @torch.no_grad()
@@ -695,8 +860,11 @@ def evaluate(model, loader, device):
             sums[name][0] += total
             sums[name][1] += n
     model.train()
-    # Rank 0 always has validation data; a rank without any takes its names.
+    # Rank 0 has validation data unless there is none; a rank without any takes its
+    # names.
     names = broadcast_bytes("\n".join(sums).encode(), device).decode().split("\n")
+    if names == [""]:
+        raise failure("error: build_datasets() returned an empty validation stream")
     if "loss" not in names:
         raise failure("error: compute_metrics must return a 'loss' entry")
     zero = torch.zeros(2, dtype=torch.float64, device=device)
@@ -727,9 +895,11 @@ def one_line(values, prefix=""):
 # --------------------------------------------------------------------------------------
 # Checkpoints and resuming (rank 0 writes; every rank reads through rank 0)
 # --------------------------------------------------------------------------------------
-def snapshot(t, epoch, step=0, sums=(0.0, 0.0)):
-    """Everything a resume needs: the state after `epoch` epochs and `step` steps."""
+def snapshot(t, at):
+    """Everything a resume needs: the state at `at`. (Every rank calls it: the loss
+    sums since the last evaluation are added up over the ranks.)"""
     args, world_size = t.args, dist.get_world_size()
+    sums = t.sums.totals()
     return {
         # DDP change 4: the plain model (ddp_model.module, not the DDP wrapper), so
         # the weights load without DDP and without a "module." prefix in their keys.
@@ -737,9 +907,11 @@ def snapshot(t, epoch, step=0, sums=(0.0, 0.0)):
         "optimizer": t.optimizer.state_dict(),
         "scheduler": t.scheduler.state_dict() if t.scheduler else None,
         "scaler": t.scaler.state_dict(),
-        "epoch": epoch,  # epochs done
-        "epoch_samples": step * args.batch_size * world_size,  # into the next one
-        "train_sums": list(sums),  # loss sum and units of those samples
+        "epoch": at.epoch,  # passes done
+        "epoch_samples": at.samples,  # of the next pass, over all ranks
+        "step": at.step,  # optimizer updates done
+        "stream": at.stream,  # the training stream's state_dict() there, or None
+        "train_sums": list(sums),  # loss sum and units since the last evaluation
         "global_batch": [world_size, args.batch_size, args.grad_accum],
         "total_updates": t.total_updates,
 {% if strategy == "best" %}
@@ -884,53 +1056,71 @@ def describe(global_batch):
     return f"{processes} {noun} x batch {batch} x grad-accum {accum}"
 
 
-@dataclass
-class Start:
-    """Where training starts: after `epoch` epochs and `step` steps into the next."""
-
-    epoch: int = 0
-    step: int = 0  # > 0 after a mid-epoch stop
-    sums: tuple = (0.0, 0.0)  # loss sum and units of those steps, all ranks
-
-
 def resume(t, checkpoint, out_dir):
-    """Restore the state a checkpoint holds, and trim metrics.csv to its epochs."""
-    if checkpoint is None:
-        start = Start()
-    else:
+    """Restore the state a checkpoint holds, trim metrics.csv to its updates, and
+    return the Position training goes on from."""
+    at, carried = Position(), (0.0, 0.0)
+    if checkpoint is not None:
         advice = "; start afresh with --resume never or another --output-dir"
         load_weights(t.model, checkpoint["model"], checkpoint["path"], advice)
         if checkpoint["scaler"]:  # empty when it was saved without --amp fp16
             t.scaler.load_state_dict(checkpoint["scaler"])
-        # The position in global samples, read with this run's processes and batch.
-        per_step = dist.get_world_size() * t.args.batch_size
-        step, extra = divmod(checkpoint["epoch_samples"], per_step)
-        if extra:
-            print0(f"resume: {extra} samples of this epoch are trained again")
-        start = Start(checkpoint["epoch"], step, tuple(checkpoint["train_sums"]))
+        at = Position(
+            checkpoint["epoch"],
+            checkpoint["epoch_samples"],
+            checkpoint["step"],
+            checkpoint["stream"],
+        )
+        carried = tuple(checkpoint["train_sums"])  # over all ranks: rank 0 adds them
 {% if strategy == "best" %}
         t.best_val_loss = checkpoint.get("best_val_loss", math.inf)
 {% endif %}
-        restore_schedule(t, checkpoint, start)
-        where = f"after epoch {start.epoch}"
-        if start.step:
-            where = f"in epoch {start.epoch + 1} after {start.step} steps"
-        print0(f"resumed from {checkpoint['path']} {where}")
-        if start.epoch >= t.args.epochs:
+        resume_position(t, at, math.prod(checkpoint["global_batch"]))
+        restore_schedule(t, checkpoint, at.step)
+        print0(f"resumed from {checkpoint['path']} {where(at, t.args.batch_size)}")
+        if finished(t, at):
+            length = "--max-steps" if t.args.max_steps else "--epochs"
             print0(
-                f"resume: all {start.epoch} epochs are done, nothing to train; a "
-                "larger --epochs goes on, --resume never starts afresh"
+                f"resume: the run is done ({at.step} updates, {at.epoch} passes), "
+                f"nothing to train; a larger {length} goes on, --resume never starts "
+                "afresh"
             )
+    t.sums = LossSums(t.device, t.args, carried if dist.get_rank() == 0 else (0, 0))
     if dist.get_rank() == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
-        start_metrics(out_dir / "metrics.csv", start.epoch)
-    return start
+        saved_step = checkpoint["step"] if checkpoint else 0  # the rows' counting
+        start_metrics(out_dir / "metrics.csv", saved_step)
+    return at
 
 
-def restore_schedule(t, checkpoint, start):
-    """The optimizer's state and the LR schedule. A run whose --epochs, --lr or global
-    batch changed gets the schedule a run with its arguments would have followed from
-    the start, at the update it has reached, and one line saying so."""
+def resume_position(t, at, saved_batch):
+    """The checkpoint's position as this run reads it. A sampler starts at a whole
+    step, and a stream without a saved state is read up to it. After a change of the
+    global batch (--allow-batch-change), the samples of a step begun are trained
+    again, and the updates done are counted in updates of the new global batch."""
+    args, world_size = t.args, dist.get_world_size()
+    if isinstance(t.train_data, StreamShard):
+        if at.samples and at.stream is None:
+            print0(
+                f"resume: the training stream has no state_dict(), so every reader "
+                f"reads its first {at.samples} items again to get there"
+            )
+    elif again := at.samples % (args.batch_size * world_size):
+        print0(f"resume: {again} samples of this pass are trained again")
+        at.samples -= again
+    global_batch = world_size * args.batch_size * args.grad_accum
+    if global_batch != saved_batch and t.steps_per_pass:
+        per_pass = math.ceil(t.steps_per_pass / args.grad_accum)
+        at.step = at.epoch * per_pass + at.samples // global_batch
+    elif global_batch != saved_batch:  # a stream of unknown length: by samples
+        at.step = at.step * saved_batch // global_batch
+
+
+def restore_schedule(t, checkpoint, done):
+    """The optimizer's state and the LR schedule. A run whose length (--epochs,
+    --max-steps), --lr or global batch changed gets the schedule a run with its
+    arguments would have followed from the start, at the update it has reached
+    (`done`), and one line saying so."""
     args, saved = t.args, checkpoint["args"]
     if not same_optimizer(t, checkpoint):  # build_optimizer() changed since
         raise failure(
@@ -953,8 +1143,6 @@ def restore_schedule(t, checkpoint, start):
     t.optimizer.load_state_dict(
         {"state": checkpoint["optimizer"]["state"], "param_groups": fresh}
     )
-    per_epoch = t.total_updates // args.epochs
-    done = start.epoch * per_epoch + start.step // args.grad_accum
     if t.scheduler:
         with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()"
             warnings.simplefilter("ignore")
@@ -988,14 +1176,14 @@ def same_optimizer(t, checkpoint):
 # --------------------------------------------------------------------------------------
 class Reports:
     """Everything a run reports besides the training itself: the progress bar, where
-    the time goes, the profiler, metrics.csv, TensorBoard and the line per epoch. Every
-    rank times its own steps; rank 0 alone shows and writes."""
+    the time goes, the profiler, metrics.csv, TensorBoard and the line per
+    evaluation. Every rank times its own steps; rank 0 alone shows and writes."""
 
     def __init__(self, t, out_dir):
         self.t, self.out_dir = t, out_dir
         self.is_main = dist.get_rank() == 0
         self.progress = self.profiler = self.writer = None
-        self.data_s, self.steps, self.updates = 0.0, [], []
+        self.start_interval()
         if t.args.tensorboard:
             try:
                 import torch.utils.tensorboard  # noqa: F401 (optional: imported here)
@@ -1050,29 +1238,44 @@ class Reports:
         event.record()
         return event
 
-    def batches(self, loader, first_step, epoch):
-        """enumerate(loader, start=first_step), timed: the wait for each batch, and
-        each step from its batch to the next request."""
-        self.data_s, self.steps, self.updates = 0.0, [], []
+    def start_interval(self):
+        """From here on the next row's numbers: time, samples, steps, updates."""
+        self.since, self.data_s, self.samples = time.perf_counter(), 0.0, 0
+        self.steps, self.updates, self.step = [], [], None
+
+    def step_done(self):
+        """The step under way ends here (an evaluation that follows is not part of
+        it): time it, and note when training stopped for the row."""
+        if self.step is not None:
+            self.steps.append((self.step, self.mark()))
+            self.step = None
+        self.trained = time.perf_counter()
+
+    def batches(self, data, at):
+        """The pass's (batch, ...) tuples from `data`, timed: the wait for each
+        batch, and each step from its batch to the next request; and counted."""
+        args, per_step = self.t.args, self.t.args.batch_size * dist.get_world_size()
+        of = "" if args.max_steps else f"/{args.epochs}"
         self.progress = tqdm(
-            total=self.t.steps_per_epoch,
-            initial=first_step,
-            desc=f"epoch {epoch + 1}/{self.t.args.epochs}",
+            total=self.t.steps_per_pass,
+            initial=at.samples // per_step,
+            desc=f"epoch {at.epoch + 1}{of}",
             leave=False,
             disable=not (self.is_main and sys.stderr.isatty()),
         )
-        batches = iter(loader)
+        done = at.samples  # samples of the pass done, over all ranks
         try:
-            for step in itertools.count(first_step):
+            while True:
                 tick = time.perf_counter()
-                batch = next(batches, None)
+                item = next(data, None)
                 self.data_s += time.perf_counter() - tick
-                if batch is None:
+                if item is None:
                     break
-                begin = self.mark()
+                self.step = self.mark()
                 WATCH.beat()
-                yield step, batch
-                self.steps.append((begin, self.mark()))
+                self.samples, done = self.samples + item[2] - done, item[2]
+                yield item
+                self.step_done()
                 self.progress.update()
                 if self.profiler:
                     self.profiler.step()
@@ -1083,29 +1286,44 @@ class Reports:
         if not self.progress.disable:
             self.progress.set_postfix(loss=f"{loss.item():.4f}")
 
-    def epoch_done(self, epoch, result, metrics):
-        """Rank 0: the epoch's row in metrics.csv (and TensorBoard), and one line."""
-        if self.t.device.type == "cuda":
-            torch.cuda.synchronize()  # the events above have all happened
-        step_s = sum(seconds(a, b) for a, b in self.steps)
-        optimizer_s = sum(seconds(a, b) for a, b in self.updates)
-        loss_sum, units = result.sums
-        row = {"epoch": epoch + 1, "train_loss": loss_sum / units}
-        row |= {f"val_{name}": value for name, value in metrics.items()}
-        row |= {
-            "lr": self.t.optimizer.param_groups[0]["lr"],
-            "samples_per_s": result.samples / result.seconds,
-            "epoch_s": time.perf_counter() - result.began,
-            "data_s": self.data_s,
-            "compute_s": step_s - optimizer_s,
-            "optimizer_s": optimizer_s,
-        }
+    def row(self, at, metrics):
+        """An evaluation's row in metrics.csv (and TensorBoard), and its line: the
+        training since the previous row (until step_done()), then the validation
+        metrics. Every rank calls it (the loss is summed over ranks)."""
+        loss_sum, units = self.t.sums.totals(reset=True)
+        if self.is_main:
+            if self.t.device.type == "cuda":
+                torch.cuda.synchronize()  # the events above have all happened
+            step_s = sum(seconds(a, b) for a, b in self.steps)
+            optimizer_s = sum(seconds(a, b) for a, b in self.updates)
+            epoch = at.epoch if not at.samples else at.epoch + 1  # done, or under way
+            row = {"epoch": epoch, "step": at.step}
+            row["train_loss"] = loss_sum / units if units else math.nan
+            row |= {f"val_{name}": value for name, value in metrics.items()}
+            row |= {
+                "lr": self.t.optimizer.param_groups[0]["lr"],
+                "samples_per_s": self.samples / (self.trained - self.since),
+                "epoch_s": time.perf_counter() - self.since,
+                "data_s": self.data_s,
+                "compute_s": step_s - optimizer_s,
+                "optimizer_s": optimizer_s,
+            }
+            self.write(row)
+        self.start_interval()
+
+    def write(self, row):
+        """Rank 0: the row into metrics.csv and TensorBoard, and as a line."""
         append_metrics(self.out_dir / "metrics.csv", row)
         if self.writer:
             for key, value in row.items():
-                self.writer.add_scalar(key, value, epoch + 1)
-        summary = one_line(row).partition("  ")[2]  # all but the epoch
-        print(f"epoch {epoch + 1}/{self.t.args.epochs}  {summary}", flush=True)
+                self.writer.add_scalar(key, value, row["step"])
+        args = self.t.args
+        epoch, step = row.pop("epoch"), row.pop("step")
+        if args.max_steps:
+            head = f"step {step}/{args.max_steps}  epoch {epoch}"
+        else:
+            head = f"epoch {epoch}/{args.epochs}  step {step}"
+        print(f"{head}  {one_line(row)}", flush=True)
 
 
 def seconds(begin, end):
@@ -1115,9 +1333,10 @@ def seconds(begin, end):
 
 
 def start_metrics(path, done):
-    """Keep the rows of epochs already done (none on a fresh start); drop the rest."""
+    """Keep the rows of the updates already done (none on a fresh start); drop the
+    rest."""
     rows = read_metrics(path) if done else []
-    write_metrics(path, [row for row in rows if int(row["epoch"]) <= done])
+    write_metrics(path, [row for row in rows if int(row["step"]) <= done])
 
 
 def append_metrics(path, row):
@@ -1149,7 +1368,7 @@ def text(value):
 
 
 def plot_losses(metrics_path, png_path):
-    """Train and validation loss per epoch; False when matplotlib is not installed."""
+    """Train and validation loss at each evaluation; False without matplotlib."""
     try:
         import matplotlib  # optional: imported only here
 
@@ -1158,11 +1377,11 @@ def plot_losses(metrics_path, png_path):
     except ImportError:
         return False
     rows = read_metrics(metrics_path)
-    epochs = [int(row["epoch"]) for row in rows]
+    steps = [int(row["step"]) for row in rows]
     figure, axes = plt.subplots(figsize=(6, 4))
     for key in ("train_loss", "val_loss"):
-        axes.plot(epochs, [float(row[key]) for row in rows], marker="o", label=key)
-    axes.set_xlabel("epoch")
+        axes.plot(steps, [float(row[key]) for row in rows], marker="o", label=key)
+    axes.set_xlabel("optimizer updates")
     axes.set_ylabel("loss")
     axes.legend()
     figure.tight_layout()
@@ -1228,6 +1447,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=ShowDefaults)
     parser.error = usage_error
     add_training_arguments(parser.add_argument_group("training"))
+    add_long_run_arguments(parser.add_argument_group("long runs"))
     add_speed_arguments(parser.add_argument_group("speed and insight"))
     add_running_arguments(parser.add_argument_group("processes and machines"))
     args = parser.parse_args(argv)
@@ -1364,6 +1584,39 @@ def add_training_arguments(parser):
         type=positive,
         metavar="F",
         help="clip the gradients' norm to F before each update",
+    )
+
+
+def add_long_run_arguments(parser):
+    parser.add_argument(
+        "--max-steps",
+        type=at_least(1),
+        metavar="N",
+        help="the run's length in optimizer updates, instead of --epochs: the data "
+        "repeats, with a new shuffle each pass, as often as it takes",
+    )
+    parser.add_argument(
+        "--save-every",
+        type=at_least(0),
+{% if strategy == "final_only" %}
+        default=0,
+        metavar="N",
+        help="also write checkpoint_last.pt every N optimizer updates, so that a "
+        "crash without a signal loses at most N (0: never; final_only removes it at "
+        "the end)",
+{% else %}
+        default=1000,
+        metavar="N",
+        help="also replace checkpoint_last.pt every N optimizer updates, so that a "
+        "crash without a signal loses at most N (0: at the end of each pass only)",
+{% endif %}
+    )
+    parser.add_argument(
+        "--eval-every",
+        type=at_least(1),
+        metavar="N",
+        help="also evaluate every N optimizer updates (a row of metrics.csv each; "
+        "default: at the end of each pass and of the run)",
     )
 
 
@@ -1536,7 +1789,7 @@ LOADER = "waits for its DataLoader workers"
 COLLECTIVES = ("torch/distributed/", "torch/nn/parallel/", "torch/autograd/")
 # This file's functions that wait for the GPU (.item(), .tolist()) right after a
 # collective: with NCCL, a rank waiting for the others stops there.
-HOST_SYNCS = {"check", "train_epoch", "evaluate", "broadcast_bytes", "preflight"}
+HOST_SYNCS = {"check", "totals", "evaluate", "broadcast_bytes", "preflight"}
 # How gloo says that another rank went away (in plain RuntimeErrors).
 LOST = ("closed by peer", "reset by peer", "Timed out waiting", "caused pair closure")
 
