@@ -19,6 +19,7 @@ CHOICES = {
     "launcher": ("torchrun", "spawn"),
     "save_strategy": ("last", "best", "every_epoch", "final_only"),
     "scheduler": ("none", "slurm"),
+    "parallelism": ("ddp", "fsdp2"),
 }
 BOOLEANS = ("use_batch_sampler", "sync_bn")
 
@@ -45,6 +46,17 @@ def problems(answers):
     for key in BOOLEANS:
         if not isinstance(answers[key], bool):
             yield f"{key} {answers[key]!r} is not a boolean (true or false)"
+    yield from refused_combinations(answers)
+
+
+def refused_combinations(answers):
+    """Answers that each work, but not together."""
+    if answers.get("sync_bn") is True and answers.get("parallelism") == "fsdp2":
+        yield (
+            "sync_bn true does not go with parallelism 'fsdp2': SyncBatchNorm under "
+            "FSDP2 is not supported here; choose sync_bn=false (each rank keeps its "
+            "own BatchNorm statistics) or parallelism=ddp"
+        )
 
 
 def check_answers(answers):

@@ -13,6 +13,7 @@ from combinations import (
     TEMPLATE,
     choices,
     combinations,
+    refused,
     uncovered_pairs,
 )
 from conftest import USER_FUNCTIONS, bake
@@ -37,8 +38,15 @@ def test_combinations_cover_the_contract():
         "sync_bn": [False, True],
         "save_strategy": ["last", "best", "every_epoch", "final_only"],
         "scheduler": ["none", "slurm"],
+        "parallelism": ["ddp", "fsdp2"],
     }
     assert len(COMBINATIONS) == 2 * 2 * 2 * 2 * 4
+    # Every pair of answers the template takes is met, and none it refuses.
+    assert (
+        uncovered_pairs(COMBINATIONS, choices(), lambda row: not refused(row)) == set()
+    )
+    assert not any(refused(row) for row in COMBINATIONS)
+    assert refused({"sync_bn": True, "parallelism": "fsdp2"})
     assert len(set(IDS)) == len(IDS)
     assert "nodes:single-launcher:torchrun" in IDS[0]
 
@@ -104,6 +112,11 @@ def test_only_the_chosen_variant_is_in_the_script(baked):
         )
         for change in (1, 2, 3, 4):
             assert f"DDP change {change}" in code, (case, change)
+        fsdp = answers["parallelism"] == "fsdp2"
+        assert ("fully_shard(" in code) == fsdp, case
+        assert ("torch.distributed.checkpoint" in code) == fsdp, case
+        assert ("DistributedDataParallel" in code) == (not fsdp), case
+        assert ("ddp_model" in code) == (not fsdp), case
         sbatch = baked[1][case] / "run_slurm.sbatch"
         if sbatch.exists():
             text = sbatch.read_text()

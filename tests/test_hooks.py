@@ -57,6 +57,28 @@ def test_refused_answers_leave_nothing(tmp_path, key, value, message):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
+def test_a_combination_that_cannot_work_is_refused_and_leaves_nothing(tmp_path):
+    """SyncBatchNorm with FSDP2: each answer alone is fine, together refused."""
+    out = tmp_path / "out"
+    out.mkdir()
+    result = subprocess.run(
+        [sys.executable, "-m", "cookiecutter", "--no-input", str(TEMPLATE)]
+        + ["sync_bn=true", "parallelism=fsdp2", "--output-dir", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    refusal = (
+        "error: sync_bn true does not go with parallelism 'fsdp2': SyncBatchNorm "
+        "under FSDP2 is not supported here; choose sync_bn=false (each rank keeps its "
+        "own BatchNorm statistics) or parallelism=ddp"
+    )
+    assert errors == [refusal]
+    assert list(out.iterdir()) == []
+
+
 TRICKY_NAMES = [
     'He said "hi" \\ 训练器',
     "O'Brien's net",

@@ -2,9 +2,11 @@
 
 import csv
 import math
+import warnings
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from combinations import COMBINATIONS, IDS
 from conftest import (
@@ -19,15 +21,34 @@ EPOCHS = 2
 SYNC_BN_WARNING = "warning: SyncBatchNorm runs on GPUs only"
 
 
-def promised_files(strategy):
+def promised_files(answers):
+    """The files a run writes; fsdp2 checkpoints are folders (no .pt)."""
+    strategy, ext = answers["save_strategy"], checkpoint_ending(answers)
     files = {"model_final.pt", "metrics.csv", "loss.png"}
     if strategy != "final_only":
-        files.add("checkpoint_last.pt")
+        files.add(f"checkpoint_last{ext}")
     if strategy == "best":
-        files.add("checkpoint_best.pt")
+        files.add(f"checkpoint_best{ext}")
     if strategy == "every_epoch":
-        files |= {f"checkpoint_epoch{e:03d}.pt" for e in range(1, EPOCHS + 1)}
+        files |= {f"checkpoint_epoch{e:03d}{ext}" for e in range(1, EPOCHS + 1)}
     return files
+
+
+def checkpoint_ending(answers):
+    return "" if answers["parallelism"] == "fsdp2" else ".pt"
+
+
+def load_checkpoint(path, model):
+    """A checkpoint's dict, its model's weights under "model": a ddp file as it is; an
+    fsdp2 folder's train_state.pt, and its shards gathered into `model`'s shapes."""
+    if path.is_file():
+        return torch.load(path, weights_only=True)
+    state = torch.load(path / "train_state.pt", weights_only=True)
+    shards = {"model": model.state_dict()}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single..."
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(shards, checkpoint_id=path, no_dist=True)
+    return state | shards
 
 
 def launch(project, answers, args, nproc=2):
@@ -50,7 +71,7 @@ def check_outputs(project, answers, out_dir, result):
     code, log = result
     assert code == 0, log
     files = {p.name for p in out_dir.iterdir()}
-    assert files == promised_files(answers["save_strategy"])
+    assert files == promised_files(answers)
 
     rows = list(csv.DictReader((out_dir / "metrics.csv").open()))
     assert [int(row["epoch"]) for row in rows] == list(range(1, EPOCHS + 1))
@@ -67,20 +88,24 @@ def check_outputs(project, answers, out_dir, result):
     model.load_state_dict(final)
     assert not any(key.startswith("module.") for key in final)
 
-    checkpoints = sorted(out_dir.glob("checkpoint_*.pt"))
+    ext = checkpoint_ending(answers)
+    checkpoints = sorted(out_dir.glob(f"checkpoint_*{ext}"))
+    assert {p.name for p in checkpoints} == {
+        name for name in promised_files(answers) if name.startswith("checkpoint_")
+    }
     for path in checkpoints:
-        checkpoint = torch.load(path, weights_only=True)
+        checkpoint = load_checkpoint(path, default_model(project))
         assert {"model", "optimizer", "scheduler", "epoch", "args"} <= set(checkpoint)
         assert checkpoint["args"]["epochs"] == EPOCHS
         if path.name.startswith("checkpoint_epoch"):
-            assert checkpoint["epoch"] == int(path.stem[-3:])
+            assert checkpoint["epoch"] == int(path.name[16:19])
     if answers["save_strategy"] != "final_only":
-        last = torch.load(out_dir / "checkpoint_last.pt", weights_only=True)
+        last = load_checkpoint(out_dir / f"checkpoint_last{ext}", model)
         assert last["epoch"] == EPOCHS
         for key, value in final.items():  # the last checkpoint holds the final weights
             assert torch.equal(value, last["model"][key]), key
     if answers["save_strategy"] == "best":
-        best = torch.load(out_dir / "checkpoint_best.pt", weights_only=True)
+        best = load_checkpoint(out_dir / f"checkpoint_best{ext}", model)
         losses = [float(row["val_loss"]) for row in rows]
         assert best["epoch"] == 1 + losses.index(min(losses))
         assert best["best_val_loss"] == pytest.approx(min(losses), abs=1e-6)

@@ -242,7 +242,10 @@ def test_a_seekable_stream_resumes_mid_pass_on_other_ranks_twice(tmp_path, strai
 
 
 def test_a_stream_without_state_reads_up_to_where_it_stopped(tmp_path, straight):
-    project = stream_project(tmp_path, "rows", ROWS, save_strategy="final_only")
+    """The spawn launcher (the other tests: torchrun), 2 ranks then 1."""
+    project = stream_project(
+        tmp_path, "rows", ROWS, save_strategy="final_only", launcher="spawn"
+    )
     out = tmp_path / "out"
     two = [*RUN, "--batch-size", "8"]
     env = {"TEST_ACTION": SIGTERM, "TEST_ACT_AT": "0:0:0"}
@@ -347,9 +350,10 @@ def compute_metrics(model, batch):
 
 def test_the_readme_stream_examples_train_and_resume(tmp_path):
     """The README's two streams, as written there: the endless generator trains with
-    --max-steps; the shard files resume mid-pass on another number of processes from
-    their state, without reading the pass again, and end like a run never stopped."""
-    project = bake(tmp_path / "synthetic")
+    --max-steps (under FSDP2, whose evaluation pads the validation stream's shares);
+    the shard files resume mid-pass on another number of processes from their state,
+    without reading the pass again, and end like a run never stopped."""
+    project = bake(tmp_path / "synthetic", parallelism="fsdp2")
     replace_user_functions(project, readme_block(project, "class Synthetic("))
     out = tmp_path / "synthetic_out"
     run_single(project, out, 2, "--max-steps", "4", "--eval-every", "2")

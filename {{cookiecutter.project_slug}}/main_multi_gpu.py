@@ -1,8 +1,22 @@
 {% set spawn = cookiecutter.launcher == "spawn" %}
 {% set multi = cookiecutter.nodes == "multi" %}
 {% set strategy = cookiecutter.save_strategy %}
+{% set fsdp = cookiecutter.parallelism == "fsdp2" %}
+{% set wrapper = "fsdp_model" if fsdp else "ddp_model" %}
+{% set ext = "" if fsdp else ".pt" %}
 # {{ cookiecutter.project_name }}
 #
+{% if fsdp %}
+# Data-parallel training with PyTorch's fully sharded data parallelism (FSDP2): one
+# process per GPU (or two on CPU), each training the model on its share of every batch
+# while holding only 1/world_size of the parameters, gradients and optimizer state.
+# The four changes from a single-GPU script are marked "DDP change N":
+#   1. join the process group described by the launcher's environment
+#   2. a DistributedSampler shards the data, and set_epoch reshuffles it every epoch
+#   3. fully_shard() shards the model's parameters over the processes
+#   4. only rank 0 prints; every rank writes its shards of a checkpoint, and rank 0
+#      the whole model at the end
+{% else %}
 # Data-parallel training with PyTorch DistributedDataParallel (DDP): one process per GPU
 # (or two on CPU), each training a replica of the model on its share of every batch.
 # The four changes from a single-GPU script are marked "DDP change N":
@@ -10,12 +24,19 @@
 #   2. a DistributedSampler shards the data, and set_epoch reshuffles it every epoch
 #   3. the model is wrapped in DDP, which averages gradients across processes
 #   4. only rank 0 prints and saves (the plain model, not the DDP wrapper)
+{% endif %}
 # Your data, model, loss, metrics and optimizer go in the five functions under
 # "EDIT HERE"; nothing else in this file needs to change for them.
+{% if fsdp %}
+"""Train a model sharded with FSDP2, on one machine or several."""
+{% else %}
 """Train a model with DistributedDataParallel, on one machine or several."""
+{% endif %}
 
 import argparse
+{% if not (fsdp and spawn) %}
 import contextlib
+{% endif %}
 import copy
 import csv
 import ctypes
@@ -28,6 +49,9 @@ import multiprocessing
 import os
 {% if not spawn %}
 import shlex
+{% endif %}
+{% if fsdp %}
+import shutil
 {% endif %}
 import signal
 import socket
@@ -43,19 +67,38 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+{% if fsdp %}
+import torch.distributed.checkpoint as dcp
+{% endif %}
 {% if spawn %}
 import torch.multiprocessing as mp
 {% endif %}
 import torch.nn.functional as F
 from torch import nn
+{% if fsdp %}
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+{% endif %}
 {% if not spawn %}
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousError
+{% endif %}
+{% if fsdp %}
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+{% endif %}
+{% if not spawn %}
 from torch.distributed.run import get_args_parser
 from torch.distributed.run import main as torchrun
 {% endif %}
+{% if not fsdp %}
 from torch.nn.parallel import DistributedDataParallel as DDP
+{% endif %}
 {% if cookiecutter.use_batch_sampler %}
 from torch.utils.data import (
     BatchSampler,
@@ -181,7 +224,9 @@ def compute_metrics(model, batch):
 # The training loop, and the four DDP changes
 # --------------------------------------------------------------------------------------
 LOG_EVERY = 20  # optimizer updates between progress reports and checks (each waits)
+{% if not fsdp %}
 CHANNELS_LAST = True  # on GPUs, 2-D convolutions in NHWC: faster
+{% endif %}
 AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -301,8 +346,13 @@ class Training:
 
     args: argparse.Namespace
     device: torch.device
+{% if fsdp %}
+    model: nn.Module  # sharded over the ranks (DDP change 3): evaluated and saved
+    fsdp_model: nn.Module  # the same, compiled with --compile: trained
+{% else %}
     model: nn.Module  # the plain model: evaluated and saved (DDP change 4)
     ddp_model: DDP  # the same parameters in the DDP wrapper: trained (DDP change 3)
+{% endif %}
     optimizer: torch.optim.Optimizer
     scheduler: object  # an LR scheduler, or None
     scaler: torch.amp.GradScaler
@@ -331,7 +381,11 @@ def train(args, device):
     """Build, resume, train pass by pass, save. Returns the exit status: 0, or
     128 + the signal (SIGTERM, Ctrl-C) that stopped it after saving a checkpoint."""
     out_dir = Path(args.output_dir)
+{% if fsdp %}
+    last_path = out_dir / "checkpoint_last"  # a folder of every rank's shards
+{% else %}
     last_path = out_dir / "checkpoint_last.pt"
+{% endif %}
     checkpoint = load_checkpoint(args.resume, last_path, device)
     t = build_training(args, device, checkpoint)
     at = resume(t, checkpoint, out_dir)
@@ -339,11 +393,23 @@ def train(args, device):
         while not finished(t, at):
             if train_pass(t, at, reports):  # a stop signal: saved, so stop
                 return stopped(last_path, at, args.batch_size)
+{% if fsdp %}
+    # DDP change 4 (FSDP2): the whole model, gathered from every rank's shards into
+    # rank 0's memory (every rank takes part), saved once, as one plain file.
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights = get_model_state_dict(t.model, options=options)
+    if dist.get_rank() == 0:
+        save_atomic(weights, out_dir / "model_final.pt")
+{% if strategy == "final_only" %}
+        shutil.rmtree(last_path, ignore_errors=True)  # a stop's or --save-every's
+{% endif %}
+{% else %}
     if dist.get_rank() == 0:
         # DDP change 4: the plain model's weights (not the DDP wrapper's), saved once.
         save_atomic(t.model.state_dict(), out_dir / "model_final.pt")
 {% if strategy == "final_only" %}
         last_path.unlink(missing_ok=True)  # a stop's or --save-every's checkpoint
+{% endif %}
 {% endif %}
         plotted = plot_losses(out_dir / "metrics.csv", out_dir / "loss.png")
         report_outputs(out_dir, plotted, args.tensorboard)
@@ -362,7 +428,7 @@ def train_pass(t, at, reports):
     micro-batches, and after each update what falls due (a check, an evaluation, a
     save). Returns True when a stop signal asks to stop, after saving."""
     args, device = t.args, t.device
-    t.ddp_model.train()
+    t.{{ wrapper }}.train()
     # Per-rank randomness (dropout, augmentation): the same after a resume at a pass
     # boundary; after a mid-pass stop, the rest of the pass differs.
     torch.manual_seed(args.seed + at.epoch * dist.get_world_size() + dist.get_rank())
@@ -372,6 +438,17 @@ def train_pass(t, at, reports):
         batch = to_device(batch, device)
         micro += 1
         sync = micro % args.grad_accum == 0 or last
+{% if fsdp %}
+        # DDP change 3 (FSDP2): gradients are reduce-scattered over the ranks in the
+        # backward pass of the last micro-batch of each update only.
+        t.model.set_requires_gradient_sync(sync)
+        with torch.autocast(device.type, AMP_DTYPES[args.amp], args.amp != "none"):
+            loss, n = compute_loss(t.fsdp_model, batch)
+        n = n if real else 0  # a stand-in batch at a stream's end weighs nothing
+        # The loss summed over the batch's n units, at the usual scale (n / batch size
+        # is 1 for a per-sample loss); update() divides by the global units.
+        t.scaler.scale(loss * (n / args.batch_size)).backward()
+{% else %}
         # DDP change 3: the gradient all-reduce runs in the backward pass of the last
         # micro-batch of each update only; no_sync() skips it for the others.
         with contextlib.nullcontext() if sync else t.ddp_model.no_sync():
@@ -381,6 +458,7 @@ def train_pass(t, at, reports):
             # The loss summed over the batch's n units, at the usual scale (n / batch
             # size is 1 for a per-sample loss); update() divides by the global units.
             t.scaler.scale(loss * (n / args.batch_size)).backward()
+{% endif %}
         t.sums.add(loss, n)
         if sync:
             update(t, t.sums.take_group_units())
@@ -435,8 +513,12 @@ def after_update(t, at, reports, last):
         reports.step_done()  # the training before the evaluation, timed
         # Evaluate the weights rank 0 saves: parameters match on every rank, but
         # each rank keeps its own BatchNorm running statistics, so take rank 0's.
+{% if fsdp %}
+        # Every rank takes every forward: each gathers the parameters from all.
+{% else %}
         # Use the plain model: DDP's forward would wait for ranks with more
         # validation batches.
+{% endif %}
         for buffer in t.model.buffers():
             dist.broadcast(buffer, src=0)
         metrics = evaluate(t.model, t.val_loader, t.device)
@@ -444,27 +526,58 @@ def after_update(t, at, reports, last):
 {% if strategy == "best" %}
         if metrics["loss"] < t.best_val_loss:
             t.best_val_loss = metrics["loss"]
-            names.append("checkpoint_best.pt")
+            names.append("checkpoint_best{{ ext }}")
     if stop or saving or end:
-        names.append("checkpoint_last.pt")
+        names.append("checkpoint_last{{ ext }}")
     if names:
         save_checkpoints(t, at, names)
 {% elif strategy == "every_epoch" %}
     if stop or saving or end:
-        names = ["checkpoint_last.pt"]
+        names = ["checkpoint_last{{ ext }}"]
         if last:
-            names.append(f"checkpoint_epoch{at.epoch:03d}.pt")
+            names.append(f"checkpoint_epoch{at.epoch:03d}{{ ext }}")
         save_checkpoints(t, at, names)
 {% elif strategy == "final_only" %}
     if stop or saving:  # final_only keeps none at a pass's end
-        save_checkpoints(t, at, ["checkpoint_last.pt"])
+        save_checkpoints(t, at, ["checkpoint_last{{ ext }}"])
 {% else %}
     if stop or saving or end:
-        save_checkpoints(t, at, ["checkpoint_last.pt"])
+        save_checkpoints(t, at, ["checkpoint_last{{ ext }}"])
 {% endif %}
     return stop
 
 
+{% if fsdp %}
+def save_checkpoints(t, at, names):
+    """DDP change 4 (FSDP2): a checkpoint is a folder into which every rank writes its
+    shards of the model and the optimizer (torch.distributed.checkpoint), and rank 0
+    the rest of the state (train_state.pt). It is written as NAME.tmp, renamed once
+    complete: a folder under its own name is always whole."""
+    state = snapshot(t, at)
+    shards = dict(zip(("model", "optimizer"), get_state_dict(t.model, t.optimizer)))
+    for name in names:
+        path = Path(t.args.output_dir) / name
+        tmp = path.with_name(name + ".tmp")
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # what a crash left
+            tmp.mkdir(parents=True)
+        dist.barrier()  # before anyone writes into it
+        dcp.save(shards, checkpoint_id=tmp)
+        if dist.get_rank() == 0:
+            save_atomic(state, tmp / "train_state.pt")
+            replace_folder(tmp, path)
+
+
+def replace_folder(new, path):
+    """Put the folder `new` in `path`'s place. The old one moves aside first (as
+    NAME.old, which load_checkpoint takes if a crash comes between the two renames)."""
+    old = path.with_name(path.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if path.exists():
+        os.replace(path, old)
+    os.replace(new, path)
+    shutil.rmtree(old, ignore_errors=True)
+{% else %}
 def save_checkpoints(t, at, names):
     """DDP change 4: rank 0 alone saves, the state at `at` under each name. (Every
     rank calls it: the checkpoint's loss sums are added up over the ranks.)"""
@@ -472,6 +585,7 @@ def save_checkpoints(t, at, names):
     if dist.get_rank() == 0:
         for name in names:
             save_atomic(state, Path(t.args.output_dir) / name)
+{% endif %}
 
 
 def datasets(args):
@@ -485,7 +599,11 @@ def datasets(args):
 
 
 def build_training(args, device, checkpoint):
+{% if fsdp %}
+    """Data, model sharded with FSDP2, optimizer and loss scaler, as build_* say."""
+{% else %}
     """Data, model, DDP wrapper, optimizer and loss scaler, as build_* say."""
+{% endif %}
     world_size = dist.get_world_size()
     settle_global_batch(args, checkpoint, world_size)
     torch.manual_seed(args.seed)  # reproducible initial weights and data
@@ -515,6 +633,64 @@ def build_training(args, device, checkpoint):
             file=sys.stderr,
         )
 {% endif %}
+{% if fsdp %}
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True  # fastest kernels for fixed shapes
+    model.to(device)
+    shard(model, args)  # DDP change 3 (FSDP2), before the optimizer sees the model
+    optimizer, scheduler = build_optimizer(model, args, total_updates)
+    # float16 needs loss scaling against underflowing gradients; otherwise a no-op.
+    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
+    return Training(
+        args,
+        device,
+        model,
+        torch.compile(model) if args.compile else model,
+        optimizer,
+        scheduler,
+        scaler,
+        train_data,
+        train_loader,
+        val_loader,
+        steps_per_pass,
+        total_updates,
+    )
+
+
+def shard(model, args):
+    """DDP change 3 (FSDP2): shard the parameters over the ranks, block by block:
+    fully_shard() on each of sharded_blocks(model), then on the root, which keeps the
+    rest. A block's parameters are gathered from all ranks for its forward and
+    backward, and freed after; its gradients are reduce-scattered. So each rank holds
+    1/world_size of the parameters, of the gradients, and of the optimizer state (the
+    optimizer, built after this, sees the shards)."""
+    # fully_shard() sends nothing: every rank starts from rank 0's weights.
+    for tensor in model.state_dict().values():
+        dist.broadcast(tensor, src=0)
+    for block in reversed(sharded_blocks(model)):  # inner blocks before outer ones
+        fully_shard(block, **precision(block, args))
+    fully_shard(model, **precision(model, args))
+
+
+def sharded_blocks(model):
+    """The modules sharded on their own: the blocks of every nn.ModuleList (such as a
+    transformer's layers), else each child of the root that holds parameters (the
+    default model's layers). Another rule for your model goes here."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    if lists:
+        return [block for blocks in lists for block in blocks]
+    return [child for child in model.children() if list(child.parameters())]
+
+
+def precision(module, args):
+    """With --amp bf16: gather the parameters in bfloat16 and reduce the gradients in
+    float32; not for BatchNorm, whose running statistics stay in float32."""
+    batch_norm = nn.modules.batchnorm._BatchNorm
+    if args.amp != "bf16" or any(isinstance(m, batch_norm) for m in module.modules()):
+        return {}
+    policy = MixedPrecisionPolicy(torch.bfloat16, reduce_dtype=torch.float32)
+    return {"mp_policy": policy}
+{% else %}
     memory_format = torch.preserve_format
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fastest kernels for fixed shapes
@@ -552,6 +728,7 @@ def build_training(args, device, checkpoint):
         steps_per_pass,
         total_updates,
     )
+{% endif %}
 
 
 def pass_steps(train_set, train_loader, args):
@@ -600,7 +777,7 @@ def build_val_loader(val_set, args, device):
     summed metrics count each sample exactly once (DistributedSampler would repeat
     some); a stream is cut the same way."""
     if isinstance(val_set, IterableDataset):
-        shard = StreamShard(val_set, args.batch_size, lockstep=False)
+        shard = StreamShard(val_set, args.batch_size, lockstep={{ fsdp }})
         return DataLoader(shard, batch_size=None, **loader_options(shard, args, device))
     rank, world_size = dist.get_rank(), dist.get_world_size()
     shard = Subset(val_set, range(rank, len(val_set), world_size))
@@ -754,8 +931,14 @@ class LossSums:
 
 
 def update(t, units):
+{% if fsdp %}
+    """One optimizer update, after the backward pass of the last micro-batch (whose
+    reduce-scatter, DDP change 3, averaged the gradients over the ranks: each rank
+    holds its shard of them, and updates its shard of the parameters)."""
+{% else %}
     """One optimizer update, after the backward pass of the last micro-batch (whose
     all-reduce, DDP change 3, averaged the gradients over the ranks)."""
+{% endif %}
     args = t.args
     # The gradients are of loss sums, averaged over ranks: divide them by the mean
     # units per rank, so that every update follows the mean loss over all units of
@@ -781,7 +964,12 @@ def check(t, reports):
     nothing)."""
     sums = t.sums
     recent = sums.recent[: sums.count]
+{% if fsdp %}
+    shards = (p.to_local() for p in t.model.parameters())  # each rank checks its own
+    finite = torch.isfinite(recent).all() & all_finite(shards)
+{% else %}
     finite = torch.isfinite(recent).all() & all_finite(t.model.parameters())
+{% endif %}
     stopping = float(STOP_SIGNAL is not None)
     flags = torch.stack([finite.new_full((), stopping, dtype=torch.float64), ~finite])
     dist.all_reduce(flags)
@@ -851,10 +1039,19 @@ def evaluate(model, loader, device):
     metric's sum and n are added up over batches and ranks, then divided."""
     model.eval()
     sums = {}  # name -> float64 [sum, n] on the device
+{% if fsdp %}
+    for batch, real in lockstep(loader):
+        WATCH.beat()
+        metrics = compute_metrics(model, to_device(batch, device))
+        if not real:
+            continue
+        for name, (total, n) in metrics.items():
+{% else %}
     for batch in loader:
         WATCH.beat()
         metrics = compute_metrics(model, to_device(batch, device))
         for name, (total, n) in metrics.items():
+{% endif %}
             if name not in sums:
                 sums[name] = torch.zeros(2, dtype=torch.float64, device=device)
             sums[name][0] += total
@@ -873,15 +1070,48 @@ def evaluate(model, loader, device):
     return {name: s / n for name, (s, n) in zip(names, totals.tolist(), strict=True)}
 
 
+{% if fsdp %}
+def lockstep(loader):
+    """FSDP2: this rank's validation batches as (batch, real), where each forward
+    gathers the parameters from every rank: so every rank takes as many as the rank
+    with the most, the others padding with stand-ins (real False) that count nothing."""
+    if isinstance(loader.dataset, StreamShard):  # a stream: it pads itself
+        for batch, real, *_ in loader:
+            yield batch, real
+        return
+    shard = loader.dataset  # every world_size-th sample of the set, from this rank's
+    most = math.ceil(len(shard.dataset) / dist.get_world_size())  # rank 0's
+    batch = None
+    for batch in loader:
+        yield batch, True
+    if batch is None:  # fewer samples than ranks: this one has none
+        batch = loader.collate_fn([shard.dataset[0]])
+    for _ in range(math.ceil(most / loader.batch_size) - len(loader)):
+        yield batch, False
+
+
+{% endif %}
 def evaluate_saved(args, device):
     """--evaluate PATH: the exact evaluation above, on every rank, of the weights in
     PATH (model_final.pt, or a checkpoint's); one line of metrics, nothing written."""
     path = Path(args.evaluate)
+{% if fsdp %}
+    torch.manual_seed(args.seed)  # the data build_datasets() makes for this seed
+    _, val_set = datasets(args)
+    model = build_model(args).to(device)
+    shard(model, args)
+    if path.is_dir():  # a checkpoint folder: its shards, resharded for this run
+        load_shards(model, None, path, "evaluate")
+    else:
+        saved = load_shared(path, device, "evaluate")
+        load_weights(model, saved["model"] if "optimizer" in saved else saved, path)
+{% else %}
     saved = load_shared(path, device, "evaluate")
     torch.manual_seed(args.seed)  # the data build_datasets() makes for this seed
     _, val_set = datasets(args)
     model = build_model(args).to(device)
     load_weights(model, saved["model"] if "optimizer" in saved else saved, path)
+{% endif %}
     metrics = evaluate(model, build_val_loader(val_set, args, device), device)
     print0(f"evaluate {path}  {one_line(metrics, 'val_')}")
     return 0
@@ -901,10 +1131,15 @@ def snapshot(t, at):
     args, world_size = t.args, dist.get_world_size()
     sums = t.sums.totals()
     return {
+{% if fsdp %}
+        # The model's and the optimizer's tensors: every rank's shards, beside this.
+        "optimizer": {"param_groups": t.optimizer.state_dict()["param_groups"]},
+{% else %}
         # DDP change 4: the plain model (ddp_model.module, not the DDP wrapper), so
         # the weights load without DDP and without a "module." prefix in their keys.
         "model": t.model.state_dict(),
         "optimizer": t.optimizer.state_dict(),
+{% endif %}
         "scheduler": t.scheduler.state_dict() if t.scheduler else None,
         "scaler": t.scaler.state_dict(),
         "epoch": at.epoch,  # passes done
@@ -937,6 +1172,54 @@ def save_atomic(obj, path):
     os.replace(tmp, path)
 
 
+{% if fsdp %}
+def load_checkpoint(resume, last_path, device):
+    """Return the checkpoint to resume from (its train_state.pt, and the folder's
+    path for the shards), or None to start fresh. Every rank reads the same folder:
+    FSDP2's checkpoints need a disk that every machine sees."""
+    path = last_path if resume == "auto" else Path(resume)
+    moved_aside = path.with_name(path.name + ".old")  # see replace_folder()
+    if resume == "auto" and not path.exists() and moved_aside.exists():
+        path = moved_aside
+    wanted = resume != "never" and (resume != "auto" or path.exists())
+    state = path / "train_state.pt"
+    checkpoint = load_shared(state if wanted else None, device, "resume from")
+    if checkpoint is None:
+        return None
+    if not {"optimizer", "epoch", "global_batch"} <= set(checkpoint):
+        raise failure(
+            f"error: cannot resume from {path}: not a checkpoint of this project (no "
+            "optimizer, epoch and global_batch keys)"
+        )
+    return checkpoint | {"path": str(path)}
+
+
+def load_shards(model, optimizer, path, verb, advice=""):
+    """FSDP2: the model's (and the optimizer's, if given) shards from a checkpoint
+    folder, resharded for this run's number of ranks; one line if they do not fit."""
+    if optimizer is None:
+        shards = {"model": get_model_state_dict(model)}
+    else:
+        shards = dict(zip(("model", "optimizer"), get_state_dict(model, optimizer)))
+    try:
+        dcp.load(shards, checkpoint_id=path)
+    except Exception as err:  # DCP wraps every rank's error in one
+        reason = [line for line in str(err).splitlines() if "Error" in line]
+        reason = (reason or [repr(err)])[-1].split("Error: ")[-1].strip()
+        raise failure(
+            f"error: cannot {verb} {path}: it does not fit the model build_model() "
+            f"makes ({reason}){advice}"
+        ) from err
+    if optimizer is None:
+        set_model_state_dict(model, shards["model"])
+    else:
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=shards["model"],
+            optim_state_dict=shards["optimizer"],
+        )
+{% else %}
 def load_checkpoint(resume, last_path, device):
     """Return the checkpoint to resume from, or None to start fresh."""
     path = last_path if resume == "auto" else Path(resume)
@@ -950,6 +1233,7 @@ def load_checkpoint(resume, last_path, device):
             "epoch and global_batch keys)"
         )
     return checkpoint | {"path": str(path)}
+{% endif %}
 
 
 def load_shared(path, device, verb):
@@ -993,7 +1277,12 @@ def load_weights(model, weights, path, advice=""):
     """Load a state_dict into the model build_model() made, or say in one line why
     it does not fit (build_model() changed since it was saved, another project's)."""
     try:
+{% if fsdp %}
+        options = StateDictOptions(full_state_dict=True)  # into the shards
+        set_model_state_dict(model, weights, options=options)
+{% else %}
         model.load_state_dict(weights)
+{% endif %}
     except (RuntimeError, TypeError) as err:
         reason = str(err).strip().splitlines()[-1].strip()
         raise failure(
@@ -1062,7 +1351,22 @@ def resume(t, checkpoint, out_dir):
     at, carried = Position(), (0.0, 0.0)
     if checkpoint is not None:
         advice = "; start afresh with --resume never or another --output-dir"
+        if not same_optimizer(t, checkpoint):  # build_optimizer() changed since
+            raise failure(
+                f"error: {checkpoint['path']} holds another optimizer or LR schedule "
+                f"than build_optimizer() makes{advice}"
+            )
+        # This run's optimizer settings, before the checkpoint's replace them.
+        fresh = [
+            {key: value for key, value in group.items() if key != "params"}
+            for group in t.optimizer.param_groups
+        ]
+{% if fsdp %}
+        load_shards(t.model, t.optimizer, checkpoint["path"], "resume from", advice)
+{% else %}
         load_weights(t.model, checkpoint["model"], checkpoint["path"], advice)
+        t.optimizer.load_state_dict(checkpoint["optimizer"])
+{% endif %}
         if checkpoint["scaler"]:  # empty when it was saved without --amp fp16
             t.scaler.load_state_dict(checkpoint["scaler"])
         at = Position(
@@ -1076,7 +1380,7 @@ def resume(t, checkpoint, out_dir):
         t.best_val_loss = checkpoint.get("best_val_loss", math.inf)
 {% endif %}
         resume_position(t, at, math.prod(checkpoint["global_batch"]))
-        restore_schedule(t, checkpoint, at.step)
+        restore_schedule(t, checkpoint, at.step, fresh)
         print0(f"resumed from {checkpoint['path']} {where(at, t.args.batch_size)}")
         if finished(t, at):
             length = "--max-steps" if t.args.max_steps else "--epochs"
@@ -1116,33 +1420,25 @@ def resume_position(t, at, saved_batch):
         at.step = at.step * saved_batch // global_batch
 
 
-def restore_schedule(t, checkpoint, done):
-    """The optimizer's state and the LR schedule. A run whose length (--epochs,
-    --max-steps), --lr or global batch changed gets the schedule a run with its
-    arguments would have followed from the start, at the update it has reached
-    (`done`), and one line saying so."""
+def restore_schedule(t, checkpoint, done, fresh):
+    """The LR schedule. A run whose length (--epochs, --max-steps), --lr or global
+    batch changed gets the schedule a run with its arguments would have followed from
+    the start, at the update it has reached (`done`), and one line saying so; its
+    optimizer keeps the checkpoint's statistics and takes this run's settings
+    (`fresh`)."""
     args, saved = t.args, checkpoint["args"]
-    if not same_optimizer(t, checkpoint):  # build_optimizer() changed since
-        raise failure(
-            f"error: {checkpoint['path']} holds another optimizer or LR schedule than "
-            "build_optimizer() makes; start afresh with --resume never or another "
-            "--output-dir"
-        )
     # A schedule counts updates: its length and the samples per update (the global
     # batch) place a run on it. Without a scheduler, only the LR matters.
     global_batch = dist.get_world_size() * args.batch_size * args.grad_accum
     was = checkpoint["total_updates"], math.prod(checkpoint["global_batch"])
     same_length = was == (t.total_updates, global_batch)
     if saved["lr"] == args.lr and (same_length or not t.scheduler):
-        t.optimizer.load_state_dict(checkpoint["optimizer"])
         if t.scheduler:
             t.scheduler.load_state_dict(checkpoint["scheduler"])
         return
     # Keep the optimizer's statistics (momentum, Adam moments); take the new settings.
-    fresh = t.optimizer.state_dict()["param_groups"]
-    t.optimizer.load_state_dict(
-        {"state": checkpoint["optimizer"]["state"], "param_groups": fresh}
-    )
+    for group, settings in zip(t.optimizer.param_groups, fresh, strict=True):
+        group.update(settings)
     if t.scheduler:
         with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()"
             warnings.simplefilter("ignore")
@@ -1203,6 +1499,25 @@ class Reports:
             t.optimizer.register_step_pre_hook(begin),
             t.optimizer.register_step_post_hook(end),
         ]
+{% if fsdp %}
+        self.memory_shown = False
+        self.hooks.append(t.optimizer.register_step_post_hook(self.show_memory))
+
+    def show_memory(self, optimizer, *_):
+        """FSDP2, after the first update (the optimizer's state exists from then on):
+        the memory this rank holds, about 1/world_size of a whole copy's."""
+        if self.memory_shown:
+            return
+        self.memory_shown = True
+        params = list(self.t.model.parameters())
+        grads = [p.grad for p in params if p.grad is not None]
+        state = [s for group in optimizer.state.values() for s in group.values()]
+        sizes = [mib(params), mib(grads), mib(state)]
+        print0(
+            "memory per rank: parameters {:.2f} MiB, gradients {:.2f} MiB, optimizer "
+            "state {:.2f} MiB".format(*sizes)
+        )
+{% endif %}
 
     def __enter__(self):
         args = self.t.args
@@ -1326,6 +1641,15 @@ class Reports:
         print(f"{head}  {one_line(row)}", flush=True)
 
 
+{% if fsdp %}
+def mib(tensors):
+    """MiB of this rank's shards of these tensors (DTensors, or plain ones)."""
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    sizes = [t.numel() * t.element_size() for t in local if torch.is_tensor(t)]
+    return sum(sizes) / 2**20
+
+
+{% endif %}
 def seconds(begin, end):
     if isinstance(begin, float):
         return end - begin
@@ -1627,9 +1951,15 @@ def add_speed_arguments(parser):
         default="none",
         help="mixed precision: autocast to bfloat16 or float16 (with loss scaling)",
     )
+{% if fsdp %}
+    parser.add_argument(
+        "--compile", action="store_true", help="torch.compile the sharded model"
+    )
+{% else %}
     parser.add_argument(
         "--compile", action="store_true", help="torch.compile the model inside DDP"
     )
+{% endif %}
     parser.add_argument(
         "--profile-steps",
         type=at_least(0),
