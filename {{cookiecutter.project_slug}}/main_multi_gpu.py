@@ -2,7 +2,7 @@
 {% set multi = cookiecutter.nodes == "multi" %}
 {% set strategy = cookiecutter.save_strategy %}
 {% set fsdp = cookiecutter.parallelism == "fsdp2" %}
-{% set wrapper = "fsdp_model" if fsdp else "ddp_model" %}
+{% set wrapper = "train_model" if fsdp else "ddp_model" %}
 {% set ext = "" if fsdp else ".pt" %}
 # {{ cookiecutter.project_name }}
 #
@@ -76,6 +76,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 {% if fsdp %}
+from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -146,13 +147,13 @@ def build_datasets(args):
     download longer than --dist-timeout counts as a hang).
     """
 
-    def stream(part):  # one random stream per part: one's size leaves the others
+    def seeded(part):  # a generator per part: --train-size leaves the others alone
         return torch.Generator().manual_seed(1000 * args.seed + part)
 
-    prototypes = torch.randn(NUM_CLASSES, 3, 16, 16, generator=stream(0))
+    prototypes = torch.randn(NUM_CLASSES, 3, 16, 16, generator=seeded(0))
 
     def make(size, part):
-        generator = stream(part)
+        generator = seeded(part)
         labels = torch.randint(NUM_CLASSES, (size,), generator=generator)
         noise = torch.randn(size, 3, 16, 16, generator=generator)
         return TensorDataset(prototypes[labels] + 2 * noise, labels)
@@ -161,8 +162,13 @@ def build_datasets(args):
 
 
 def build_model(args):
+{% if fsdp %}
+    """Return the plain model (FSDP2 shards it later). Its normalization layers are
+    written inline, nn.BatchNorm2d(C), so they are easy to find and swap."""
+{% else %}
     """Return the plain model (DDP wraps it later). Its normalization layers are
     written inline, nn.BatchNorm2d(C), so they are easy to find and swap."""
+{% endif %}
     return nn.Sequential(
         nn.Conv2d(3, 32, 3, padding=1, bias=False),
         nn.BatchNorm2d(32),
@@ -178,10 +184,12 @@ def build_model(args):
 
 def build_optimizer(model, args, total_updates):
     """Return (optimizer, scheduler or None). The scheduler is stepped once per
-    optimizer update; total_updates counts the updates of the whole run (all --epochs).
+    optimizer update; total_updates counts the updates of the whole run (all --epochs,
+    or --max-steps).
 
     Here SGD with momentum, and a learning rate that warms up linearly over the first
-    epoch (large global batches need it), then stays.
+    1/--epochs of the run (the first epoch; a tenth of --max-steps at the default 10
+    epochs: large global batches need it), then stays.
     """
     optimizer = torch.optim.SGD(
         model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4
@@ -199,7 +207,11 @@ def compute_loss(model, batch):
     batch of padding alone finite), and n, an int or a tensor.
 
     `batch` is one DataLoader batch, already on the device, under autocast with --amp.
+{% if fsdp %}
+    `model` is the model sharded by FSDP2 (compiled with --compile): call it, as here.
+{% else %}
     `model` is the DDP-wrapped model: call it, as here, and nothing else of it.
+{% endif %}
     """
     images, labels = batch
     return F.cross_entropy(model(images), labels), len(labels)
@@ -208,8 +220,13 @@ def compute_loss(model, batch):
 def compute_metrics(model, batch):
     """Return {name: (sum, n)} for one validation batch; each metric is summed over all
     batches and ranks and reported as val_<name> = sum / n. "loss" is required: it
+{% if fsdp %}
+    is val_loss. `model` is the sharded model (not compiled), in eval mode, without
+    grad and without --amp's autocast.
+{% else %}
     is val_loss. `model` is the plain model (not DDP, not compiled), in eval mode,
     without grad and without --amp's autocast.
+{% endif %}
     """
     images, labels = batch
     logits = model(images)
@@ -224,7 +241,11 @@ def compute_metrics(model, batch):
 # The training loop, and the four DDP changes
 # --------------------------------------------------------------------------------------
 LOG_EVERY = 20  # optimizer updates between progress reports and checks (each waits)
-{% if not fsdp %}
+{% if fsdp %}
+# What every rank holds whole (BatchNorm's buffers, which FSDP2 does not shard, and
+# each rank keeps its own of): rank 0's copy goes into a checkpoint, consistent.
+RANK_0_WRITES_REPLICAS = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+{% else %}
 CHANNELS_LAST = True  # on GPUs, 2-D convolutions in NHWC: faster
 {% endif %}
 AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -348,7 +369,7 @@ class Training:
     device: torch.device
 {% if fsdp %}
     model: nn.Module  # sharded over the ranks (DDP change 3): evaluated and saved
-    fsdp_model: nn.Module  # the same, compiled with --compile: trained
+    train_model: nn.Module  # the same, compiled with --compile: trained
 {% else %}
     model: nn.Module  # the plain model: evaluated and saved (DDP change 4)
     ddp_model: DDP  # the same parameters in the DDP wrapper: trained (DDP change 3)
@@ -372,7 +393,7 @@ class Position:
     """Where training stands, as a checkpoint keeps it."""
 
     epoch: int = 0  # passes over the training data done
-    samples: int = 0  # samples of the next pass trained, over all ranks
+    samples: int = 0  # samples of the pass under way trained, over all ranks
     step: int = 0  # optimizer updates done
     stream: dict = None  # the training stream's state_dict() there, where it has one
 
@@ -443,7 +464,7 @@ def train_pass(t, at, reports):
         # backward pass of the last micro-batch of each update only.
         t.model.set_requires_gradient_sync(sync)
         with torch.autocast(device.type, AMP_DTYPES[args.amp], args.amp != "none"):
-            loss, n = compute_loss(t.fsdp_model, batch)
+            loss, n = compute_loss(t.train_model, batch)
         n = n if real else 0  # a stand-in batch at a stream's end weighs nothing
         # The loss summed over the batch's n units, at the usual scale (n / batch size
         # is 1 for a per-sample loss); update() divides by the global units.
@@ -497,8 +518,16 @@ def pass_data(t, at):
 def after_update(t, at, reports, last):
     """What falls due after an update: every LOG_EVERY updates a check; an
     evaluation at --eval-every, a pass's end and the run's end; a checkpoint at
-    --save-every, a pass's end, a better evaluation (save strategy permitting) and
-    a stop signal. Returns True when a stop signal asks to stop (after saving)."""
+{% if strategy == "final_only" %}
+    --save-every and a stop signal. Returns True when a stop signal asks to stop
+    (after saving)."""
+{% elif strategy == "best" %}
+    --save-every, a pass's end, the run's end, a stop signal and a better
+    evaluation. Returns True when a stop signal asks to stop (after saving)."""
+{% else %}
+    --save-every, a pass's end, the run's end and a stop signal. Returns True when a
+    stop signal asks to stop (after saving)."""
+{% endif %}
     args = t.args
     end = last or at.step == args.max_steps
     evaluating = end or (args.eval_every and at.step % args.eval_every == 0)
@@ -511,11 +540,12 @@ def after_update(t, at, reports, last):
 {% endif %}
     if evaluating:
         reports.step_done()  # the training before the evaluation, timed
+{% if fsdp %}
+        # Each rank keeps its own BatchNorm running statistics: take rank 0's, which
+        # the checkpoints and model_final.pt hold. Every rank takes every forward.
+{% else %}
         # Evaluate the weights rank 0 saves: parameters match on every rank, but
         # each rank keeps its own BatchNorm running statistics, so take rank 0's.
-{% if fsdp %}
-        # Every rank takes every forward: each gathers the parameters from all.
-{% else %}
         # Use the plain model: DDP's forward would wait for ranks with more
         # validation batches.
 {% endif %}
@@ -555,25 +585,31 @@ def save_checkpoints(t, at, names):
     complete: a folder under its own name is always whole."""
     state = snapshot(t, at)
     shards = dict(zip(("model", "optimizer"), get_state_dict(t.model, t.optimizer)))
-    for name in names:
-        path = Path(t.args.output_dir) / name
-        tmp = path.with_name(name + ".tmp")
-        if dist.get_rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # what a crash left
-            tmp.mkdir(parents=True)
-        dist.barrier()  # before anyone writes into it
-        dcp.save(shards, checkpoint_id=tmp)
-        if dist.get_rank() == 0:
-            save_atomic(state, tmp / "train_state.pt")
-            replace_folder(tmp, path)
+    out_dir = Path(t.args.output_dir)
+    tmp = out_dir / f"{names[0]}.tmp"
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # what a crash left
+        tmp.mkdir(parents=True)
+    dist.barrier()  # before anyone writes into it
+    dcp.save(shards, checkpoint_id=tmp, planner=RANK_0_WRITES_REPLICAS)
+    if dist.get_rank() == 0:
+        save_atomic(state, tmp / "train_state.pt")
+{% if strategy in ("best", "every_epoch") %}
+        for name in names[1:]:  # the same checkpoint under another name: a copy
+            copy = out_dir / f"{name}.tmp"
+            shutil.rmtree(copy, ignore_errors=True)
+            shutil.copytree(tmp, copy)
+            replace_folder(copy, out_dir / name)
+{% endif %}
+        replace_folder(tmp, out_dir / names[0])
 
 
 def replace_folder(new, path):
     """Put the folder `new` in `path`'s place. The old one moves aside first (as
     NAME.old, which load_checkpoint takes if a crash comes between the two renames)."""
     old = path.with_name(path.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
     if path.exists():
+        shutil.rmtree(old, ignore_errors=True)
         os.replace(path, old)
     os.replace(new, path)
     shutil.rmtree(old, ignore_errors=True)
@@ -754,7 +790,9 @@ def build_loaders(train_set, val_set, args, device):
     """DDP change 2: each rank reads a different 1/world_size of the training set
     (a single-GPU script would pass shuffle=True to the DataLoader instead)."""
     if isinstance(train_set, IterableDataset):
-        train_data = StreamShard(train_set, args.batch_size, lockstep=True)
+        train_data = StreamShard(
+            train_set, args.batch_size, lockstep=True, keep_state=True
+        )
         options = loader_options(train_data, args, device)
         train_loader = DataLoader(train_data, batch_size=None, **options)
         return train_data, train_loader, build_val_loader(val_set, args, device)
@@ -814,7 +852,8 @@ class StreamShard(IterableDataset):
     blocks w, w + workers, ... So within a pass every item is used once, a global
     batch is the same items for any number of processes and workers, and every rank
     takes the same steps: where the last block leaves a rank nothing, it takes a
-    stand-in step on other items that weighs nothing (lockstep: training only).
+    stand-in step on other items that weighs nothing (lockstep, where every rank must
+    take every step).
 
     Every reader (rank and worker) reads the whole stream and skips the items of the
     others: keep them cheap to read, and decode in the dataset's collate_fn, which
@@ -822,8 +861,9 @@ class StreamShard(IterableDataset):
     with state_dict() and load_state_dict() goes there at once, another is read up to
     there again."""
 
-    def __init__(self, stream, batch_size, lockstep):
+    def __init__(self, stream, batch_size, lockstep, keep_state=False):
         self.stream, self.batch_size, self.lockstep = stream, batch_size, lockstep
+        self.keep_state = keep_state  # training: rank 0's batches carry the state
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.collate = getattr(stream, "collate_fn", None) or default_collate
         self.epoch, self.start, self.state = 0, 0, None
@@ -848,7 +888,7 @@ class StreamShard(IterableDataset):
         else:
             items = itertools.islice(stream, self.start, None)  # read up to there
         # Rank 0's batches carry the state a checkpoint after them keeps.
-        keep = self.lockstep and self.rank == 0 and hasattr(stream, "state_dict")
+        keep = self.keep_state and self.rank == 0 and hasattr(stream, "state_dict")
         position, pending = self.start, None
         for step in itertools.count():
             state = copy.deepcopy(stream.state_dict()) if keep and pending else None
@@ -1135,15 +1175,15 @@ def snapshot(t, at):
         # The model's and the optimizer's tensors: every rank's shards, beside this.
         "optimizer": {"param_groups": t.optimizer.state_dict()["param_groups"]},
 {% else %}
-        # DDP change 4: the plain model (ddp_model.module, not the DDP wrapper), so
-        # the weights load without DDP and without a "module." prefix in their keys.
+        # DDP change 4: the plain model (not the DDP wrapper, nor torch.compile's), so
+        # the weights load without either and without a "module." prefix in keys.
         "model": t.model.state_dict(),
         "optimizer": t.optimizer.state_dict(),
 {% endif %}
         "scheduler": t.scheduler.state_dict() if t.scheduler else None,
         "scaler": t.scaler.state_dict(),
         "epoch": at.epoch,  # passes done
-        "epoch_samples": at.samples,  # of the next pass, over all ranks
+        "epoch_samples": at.samples,  # of the pass under way, over all ranks
         "step": at.step,  # optimizer updates done
         "stream": at.stream,  # the training stream's state_dict() there, or None
         "train_sums": list(sums),  # loss sum and units since the last evaluation
@@ -1278,6 +1318,9 @@ def load_weights(model, weights, path, advice=""):
     it does not fit (build_model() changed since it was saved, another project's)."""
     try:
 {% if fsdp %}
+        missing = sorted(set(model.state_dict()) - set(weights))
+        if missing:  # set_model_state_dict() would keep the model's own values
+            raise RuntimeError(f"Missing key(s) in state_dict: {', '.join(missing)}")
         options = StateDictOptions(full_state_dict=True)  # into the shards
         set_model_state_dict(model, weights, options=options)
 {% else %}
@@ -2114,9 +2157,15 @@ def keep_freed_memory(limit=1 << 30):
 # What each rank is doing when the job stalls, as the summary says it.
 WAITS = "waits for the other ranks"
 LOADER = "waits for its DataLoader workers"
+{% if fsdp %}
+# Where in torch a stack waits for the other ranks: collectives (FSDP2's all-gathers
+# and reduce-scatters among them) and the backward pass (which reduce-scatters).
+COLLECTIVES = ("torch/distributed/", "torch/autograd/")
+{% else %}
 # Where in torch a stack waits for the other ranks: collectives, DDP's forward (it
 # broadcasts buffers) and the backward pass (whose hooks all-reduce gradients).
 COLLECTIVES = ("torch/distributed/", "torch/nn/parallel/", "torch/autograd/")
+{% endif %}
 # This file's functions that wait for the GPU (.item(), .tolist()) right after a
 # collective: with NCCL, a rank waiting for the others stops there.
 HOST_SYNCS = {"check", "totals", "evaluate", "broadcast_bytes", "preflight"}
