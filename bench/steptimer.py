@@ -70,7 +70,7 @@ def install(contender):
     def write(optimizer):
         with torch.no_grad():  # a checksum of the trained weights (after timing)
             param_sum = sum(
-                p.detach().double().abs().sum().item()
+                whole(p).double().abs().sum().item()
                 for group in optimizer.param_groups
                 for p in group["params"]
             )
@@ -119,6 +119,12 @@ def install(contender):
             **checks,
         }
         dump(result, result_path)
+
+    def whole(param):
+        """A parameter as one tensor: an FSDP2 shard (a DTensor) gathered from every
+        rank (all ranks call this at the same step)."""
+        param = param.detach()
+        return param.full_tensor() if hasattr(param, "full_tensor") else param
 
     def dump(obj, path):
         with open(path + ".tmp", "w") as f:
