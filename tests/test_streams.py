@@ -27,8 +27,10 @@ from conftest import (
     run_single,
 )
 from test_faults import watch
+from test_workbench import REGRESSION
 
-ROWS = '''
+ROWS = (
+    '''
 class Rows(torch.utils.data.IterableDataset):
     """SIZE rows (12 features, a target from a fixed linear rule plus noise), in an
     order shuffled anew each pass (set_epoch); no __len__."""
@@ -55,22 +57,9 @@ def build_datasets(args):
 
 def build_model(args):
     return nn.Sequential(nn.Linear(12, 32), nn.Tanh(), nn.Linear(32, 1))
-
-
-def build_optimizer(model, args, total_updates):
-    return torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9), None
-
-
-def compute_loss(model, batch):
-    x, y = batch
-    return F.mse_loss(model(x), y), len(y)
-
-
-def compute_metrics(model, batch):
-    x, y = batch
-    error = model(x) - y
-    return {"loss": (error.pow(2).sum(), len(y)), "mae": (error.abs().sum(), len(y))}
 '''
+    + REGRESSION
+)
 
 # The same stream, able to say where it is and to go back there: a resume loads the
 # state, and each reader that starts from one notes where (SEEK_LOG).

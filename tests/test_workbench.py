@@ -29,7 +29,26 @@ from conftest import (
 
 COMMON = ["--num-workers", "0", "--val-size", "37", "--train-size", "64"]
 
-MLP = '''
+# A regression's optimizer, loss and metrics (also test_streams.py's).
+REGRESSION = """
+
+def build_optimizer(model, args, total_updates):
+    return torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9), None
+
+
+def compute_loss(model, batch):
+    x, y = batch
+    return F.mse_loss(model(x), y), len(y)
+
+
+def compute_metrics(model, batch):
+    x, y = batch
+    error = model(x) - y
+    return {"loss": (error.pow(2).sum(), len(y)), "mae": (error.abs().sum(), len(y))}
+"""
+
+MLP = (
+    '''
 class Rows(torch.utils.data.Dataset):
     """Rows of 12 features and a target from a fixed linear rule plus noise."""
 
@@ -58,22 +77,9 @@ def build_model(args):
         nn.Dropout(DROPOUT),
         nn.Linear(32, 1),
     )
-
-
-def build_optimizer(model, args, total_updates):
-    return torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9), None
-
-
-def compute_loss(model, batch):
-    x, y = batch
-    return F.mse_loss(model(x), y), len(y)
-
-
-def compute_metrics(model, batch):
-    x, y = batch
-    error = model(x) - y
-    return {"loss": (error.pow(2).sum(), len(y)), "mae": (error.abs().sum(), len(y))}
 '''
+    + REGRESSION
+)
 
 TOKENS = '''
 VOCAB, LENGTH = 16, 12
