@@ -131,7 +131,7 @@ def refusals(project, cases, script="./run_single.sh"):
         procs.append(
             (
                 subprocess.Popen(
-                    [script, *args, "--output-dir", str(out)],
+                    [script, "--output-dir", str(out), *args],
                     cwd=project,
                     env={**os.environ, "NPROC_PER_NODE": "2", **env},
                     stdout=subprocess.PIPE,
@@ -165,6 +165,18 @@ def test_every_number_flag_is_checked(tmp_path, launcher, capsys):
         lines = capsys.readouterr().err.splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"error: {message}"), lines
 
+    # An output folder that cannot be made is refused too, but not where nothing is
+    # written (--evaluate, --preflight).
+    (tmp_path / "notes.txt").write_text("a file where a folder is asked for")
+    inside_a_file = str(tmp_path / "notes.txt" / "out")
+    with pytest.raises(SystemExit) as stop:
+        module.parse_args(["--output-dir", inside_a_file])
+    assert stop.value.code == 2
+    line = f"error: argument --output-dir: {tmp_path}/notes.txt is a file, not a folder"
+    assert capsys.readouterr().err.startswith(line)
+    for mode in (["--evaluate", "model_final.pt"], ["--preflight"]):
+        assert module.parse_args([*mode, "--output-dir", inside_a_file]).output_dir
+
 
 @pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
 def test_a_flag_that_cannot_work_is_one_line_through_every_script(tmp_path, launcher):
@@ -173,6 +185,9 @@ def test_a_flag_that_cannot_work_is_one_line_through_every_script(tmp_path, laun
     project = bake(tmp_path, launcher=launcher, nodes="multi")
     cases = [BAD_FLAGS[0], BAD_FLAGS[-1], (["--bogus"], "unrecognized arguments")]
     cases += [({"NPROC_PER_NODE": "0"}, "NPROC_PER_NODE must be a whole number")]
+    (project / "notes.txt").write_text("a file where a folder is asked for")
+    in_a_file = f"argument --output-dir: {project}/notes.txt is a file, not a folder"
+    cases += [(["--output-dir", "notes.txt/out"], in_a_file)]
     refusals(project, cases)
     refusals(project, [BAD_FLAGS[1], *BAD_MULTI_ENV], script="./run_multi.sh")
 

@@ -11,6 +11,8 @@ then trained on 2 workers, resumed, and, where the model allows it, shown equal 
 - the default task with its batches as lists, and as dicts.
 Also what a resume does when the schedule's arguments or the global batch change."""
 
+import math
+
 import pytest
 import torch
 
@@ -301,9 +303,16 @@ def token_accuracy(project, out_dir):
 
 def test_dict_batches_with_token_loss_and_token_accuracy(tmp_path):
     project = adapted(tmp_path, "tokens", TOKENS)
+    # A metric no batch has units for (a token that never occurs) is nan, not an error.
+    edit(
+        project,
+        '"token_acc": (correct, real.sum())}',
+        '"token_acc": (correct, real.sum()), "acc_99": (correct, (labels == 99).sum())}',
+    )
     full = resumed_equals_uninterrupted(project, tmp_path, 2, "--batch-size", "4")
     rows = metrics(full)
     assert "val_token_acc" in rows[0] and "val_acc" not in rows[0]
+    assert all(math.isnan(float(row["val_acc_99"])) for row in rows)
     assert float(rows[-1]["val_token_acc"]) == pytest.approx(
         token_accuracy(project, full), abs=1e-6
     )

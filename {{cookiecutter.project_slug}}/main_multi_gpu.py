@@ -219,7 +219,8 @@ def compute_loss(model, batch):
 
 def compute_metrics(model, batch):
     """Return {name: (sum, n)} for one validation batch; each metric is summed over all
-    batches and ranks and reported as val_<name> = sum / n. "loss" is required: it
+    batches and ranks and reported as val_<name> = sum / n (nan where n sums to 0).
+    Return the same names for every batch. "loss" is required: it
 {% if fsdp %}
     is val_loss. `model` is the sharded model (not compiled), in eval mode, without
     grad and without --amp's autocast.
@@ -1107,7 +1108,8 @@ def evaluate(model, loader, device):
     zero = torch.zeros(2, dtype=torch.float64, device=device)
     totals = torch.stack([sums.get(name, zero) for name in names])
     dist.all_reduce(totals)  # sum over ranks
-    return {name: s / n for name, (s, n) in zip(names, totals.tolist(), strict=True)}
+    values = zip(names, totals.tolist(), strict=True)
+    return {name: s / n if n else math.nan for name, (s, n) in values}  # n = 0: nan
 
 
 {% if fsdp %}
@@ -1719,7 +1721,7 @@ def read_metrics(path):
 
 
 def write_metrics(path, rows):
-    """Rewrite metrics.csv whole (a row per epoch: small), atomically."""
+    """Rewrite metrics.csv whole (a row per evaluation: small), atomically."""
     columns = list(dict.fromkeys(key for row in rows for key in row))
     tmp = path.with_name(path.name + ".tmp")
     with tmp.open("w", newline="") as f:
@@ -1815,6 +1817,8 @@ def parse_args(argv=None):
     add_speed_arguments(parser.add_argument_group("speed and insight"))
     add_running_arguments(parser.add_argument_group("processes and machines"))
     args = parser.parse_args(argv)
+    if not (args.evaluate or args.preflight):  # the modes that write nothing
+        check_output_dir(args.output_dir)
 {% if spawn and multi %}
     if args.node_rank >= args.nnodes:
         usage_error(f"argument --node-rank: must be below --nnodes {args.nnodes}")
@@ -1833,6 +1837,17 @@ class ShowDefaults(argparse.HelpFormatter):
         unset = action.default is None or action.default is False
         default = "off" if unset else "%(default)s"
         return f"{meaning} (default: {default})"
+
+
+def check_output_dir(folder):
+    """Refuse a --output-dir that rank 0 could not make or write in, before anything
+    starts (this only looks: the folder is made when training starts)."""
+    path = Path(folder).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        usage_error(f"argument --output-dir: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        usage_error(f"argument --output-dir: no permission to write in {existing}")
 
 
 def usage_error(message):
