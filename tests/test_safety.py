@@ -175,7 +175,8 @@ def test_every_number_flag_is_checked(tmp_path, launcher, capsys):
     line = f"error: argument --output-dir: {tmp_path}/notes.txt is a file, not a folder"
     assert capsys.readouterr().err.startswith(line)
     for mode in (["--evaluate", "model_final.pt"], ["--preflight"]):
-        assert module.parse_args([*mode, "--output-dir", inside_a_file]).output_dir
+        args = module.parse_args([*mode, "--output-dir", inside_a_file])
+        assert args.output_dir == inside_a_file
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "spawn"])

@@ -1109,7 +1109,7 @@ def evaluate(model, loader, device):
     totals = torch.stack([sums.get(name, zero) for name in names])
     dist.all_reduce(totals)  # sum over ranks
     values = zip(names, totals.tolist(), strict=True)
-    return {name: s / n if n else math.nan for name, (s, n) in values}  # n = 0: nan
+    return {name: s / n if n else math.nan for name, (s, n) in values}
 
 
 {% if fsdp %}
