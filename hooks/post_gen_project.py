@@ -20,6 +20,9 @@ def main():
     for script in [*project.glob("*.sh"), *project.glob("*.sbatch")]:
         mode = script.stat().st_mode
         script.chmod(mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    # Cookiecutter runs this hook from a rendered copy in the temporary folder, and
+    # leaves the copy there: one file for every project made. Remove it.
+    Path(__file__).unlink()
     return 0
 
 

@@ -111,10 +111,10 @@ def test_two_processes_then_one_in_the_middle_of_an_epoch(
     output = run_single(
         projects[launcher], out, 2, *LONG, env=SIGTERM_IN_EPOCH_2, expect=143
     )
-    assert "preempted: saved" in output and "in epoch 2 after 8 steps" in output
+    assert "preempted: saved" in output and "in epoch 2 after 8 batches" in output
     output = run_single(projects[launcher], out, 1, *LONG)
     assert output.count(KEPT_2_TO_1) == 1, output
-    assert "in epoch 2 after 16 steps" in output
+    assert "in epoch 2 after 16 batches" in output
     assert_same_end(out, reference(2, LONG))
 
 
@@ -124,10 +124,10 @@ def test_one_process_then_two_in_the_middle_of_an_epoch(projects, reference, tmp
     output = run_single(
         projects["torchrun"], out, 1, *first, env=SIGTERM_IN_EPOCH_2, expect=143
     )
-    assert "in epoch 2 after 16 steps" in output  # 8 updates of 2 micro-batches
+    assert "in epoch 2 after 16 batches" in output  # 8 updates of 2 micro-batches
     output = run_single(projects["torchrun"], out, 2, *LONG)
     assert output.count(KEPT_1_TO_2) == 1, output
-    assert "in epoch 2 after 8 steps" in output
+    assert "in epoch 2 after 8 batches" in output
     assert_same_end(out, reference(2, LONG))
 
 

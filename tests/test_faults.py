@@ -187,8 +187,8 @@ def test_a_kill_while_saving_keeps_the_previous_checkpoint(tmp_path, reference):
     # Write half of the second epoch's checkpoint_last.pt, then die.
     edit(
         project,
-        '    with tmp.open("wb") as f:\n',
-        '    with tmp.open("wb") as f:\n'
+        '    with replacing(path, "wb") as f:\n',
+        '    with replacing(path, "wb") as f:\n'
         '        if path.name == "checkpoint_last.pt" and obj["epoch"] == 2:\n'
         "            data = io.BytesIO()\n"
         "            torch.save(obj, data)\n"
@@ -243,7 +243,7 @@ def test_sigterm_saves_then_resume_ends_the_same(
     assert seconds < 60 and left == [], output
     last = out_dir / "checkpoint_last.pt"
     # The check after update 40, 8 steps into epoch 2 (of 32 steps).
-    line = f"preempted: saved {last} in epoch 2 after 8 steps"
+    line = f"preempted: saved {last} in epoch 2 after 8 batches"
     assert output.count(line) == 1, output
     checkpoint = load_weights(last)
     # 8 steps of 2 ranks x 8 samples into epoch 2, in global samples.
@@ -253,7 +253,7 @@ def test_sigterm_saves_then_resume_ends_the_same(
     command, env = single(out_dir, LONG)
     code, output = run_job(command, project, env)
     assert code == 0, output
-    assert f"resumed from {last} in epoch 2 after 8 steps" in output
+    assert f"resumed from {last} in epoch 2 after 8 batches" in output
     final = load_weights(out_dir / "model_final.pt")
     assert max_difference(final, reference(LONG)) < 1e-5
     with (out_dir / "metrics.csv").open() as f:

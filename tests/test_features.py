@@ -94,10 +94,10 @@ def test_compile_builds_graphs_and_matches_eager(tmp_path):
     project = bake(tmp_path, save_strategy="final_only")
     edit(
         project,
-        "        report_outputs(out_dir, plotted, args.tensorboard)\n",
-        "        report_outputs(out_dir, plotted, args.tensorboard)\n"
-        "        from torch._dynamo.utils import counters\n"
-        '        print("graphs:", counters["stats"]["unique_graphs"])\n',
+        "    report_outputs(out_dir, plotted, tensorboard)\n",
+        "    report_outputs(out_dir, plotted, tensorboard)\n"
+        "    from torch._dynamo.utils import counters\n"
+        '    print("graphs:", counters["stats"]["unique_graphs"])\n',
     )
     args = [*COMMON, "--batch-size", "8", "--epochs", "2", "--grad-accum", "2"]
     output = train(project, tmp_path / "compiled", *args, "--compile")
@@ -112,15 +112,27 @@ def test_compile_builds_graphs_and_matches_eager(tmp_path):
     )
 
 
-def test_time_breakdown_profile_plot_and_tensorboard(project, tmp_path):
+SAVE_S = 0.5  # each save made this slow, here
+
+
+def test_time_breakdown_profile_plot_and_tensorboard(tmp_path):
+    """The time columns split the training; saves (made slow here, one after each of
+    the 4 updates of an epoch) count in epoch_s only."""
+    project = bake(tmp_path, save_strategy="last")
+    old = '    with replacing(path, "wb") as f:\n'
+    edit(project, old, f"    time.sleep({SAVE_S})\n{old}")
     out_dir = tmp_path / "out"
-    args = [*TINY, "--profile-steps", "3", "--tensorboard"]
+    args = [*TINY, "--profile-steps", "3", "--tensorboard", "--save-every", "1"]
     output = train(project, out_dir, *args)
 
-    for row in metrics(out_dir):
+    # Epoch 1's row comes before its end-of-epoch save: 3 saves; epoch 2's, 4.
+    for row, saves in zip(metrics(out_dir), (3, 4), strict=True):
         parts = [float(row[key]) for key in ("data_s", "compute_s", "optimizer_s")]
         assert min(parts) >= 0 and parts[1] > 0 and parts[2] > 0
-        assert sum(parts) <= float(row["epoch_s"])
+        assert sum(parts) < SAVE_S, row
+        trained_s = 64 / float(row["samples_per_s"])  # --train-size 64: an epoch
+        assert float(row["epoch_s"]) - trained_s > saves * SAVE_S, row
+        assert trained_s >= sum(parts) - 1e-3, row
 
     (trace,) = (out_dir / "profile").glob("*.pt.trace.json")  # rank 0 only
     events = json.loads(trace.read_text())["traceEvents"]

@@ -107,12 +107,12 @@ def test_resume_on_fewer_and_more_ranks_equals_a_run_never_stopped(reference, tm
     out = tmp_path / "two_then_one"
     args = [*RUN, "--batch-size", "8"]
     output = run_single(project, out, 2, *args, env=SIGTERM_IN_EPOCH_1, expect=143)
-    saved = f"preempted: saved {out / 'checkpoint_last'} in epoch 1 after 20 steps"
+    saved = f"preempted: saved {out / 'checkpoint_last'} in epoch 1 after 20 batches"
     assert saved in output, output
     assert not list(out.glob("*.tmp")) and not list(out.glob("*.old"))
     output = run_single(project, out, 1, *args)
     assert "resume: global batch 16 kept: 1 process x batch 8 x grad-accum 2" in output
-    assert "in epoch 1 after 40 steps" in output
+    assert "in epoch 1 after 40 batches" in output
     assert max_difference(final(out), final(straight)) < 1e-5
     assert_same_rows(out, straight)
 
@@ -239,7 +239,7 @@ def test_a_crash_while_saving_keeps_the_previous_folder_and_a_nan_saves_nothing(
     output = run_single(nan, out, 2, *SHORT, "--batch-size", "8", expect=1)
     errors = [line for line in output.splitlines() if "error" in line.lower()]
     line = (
-        "error: the loss is nan in epoch 2 at step 2 (rank 1); stopped without saving "
+        "error: the loss is nan in epoch 2 at batch 2 (rank 1); stopped without saving "
         "it. Try a lower --lr, --clip-grad-norm 1.0, or --amp bf16 instead of fp16"
     )
     assert errors == [line], output

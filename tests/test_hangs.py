@@ -5,6 +5,7 @@ as a user's bug would make them, by replacing one of the five functions: a rank 
 in compute_loss, a rank that takes a collective the others do not, a rank whose
 DataLoader worker is stuck."""
 
+import ast
 import contextlib
 import os
 import re
@@ -204,3 +205,31 @@ def test_a_hang_across_two_nodes(tmp_path):
     assert summary(output0)[1].startswith("  rank 1: compute_loss"), output0
     assert "[rank 1] thread MainThread" in output1
     assert HEADLINE not in output1  # rank 0 summarizes
+
+
+COLLECTIVE_CALLS = {"all_reduce", "broadcast", "all_gather", "all_gather_into_tensor"}
+
+
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp2"])
+def test_every_host_read_after_a_collective_is_named_a_wait(tmp_path, parallelism):
+    """A stack stopped in a function that reads a collective's result on the host
+    (.item(), .tolist()) is reported as waiting for the others (HOST_SYNCS), not as
+    busy: every such function of the generated file is listed, and only those."""
+    project = bake(tmp_path, parallelism=parallelism)
+    tree = ast.parse((project / "main_multi_gpu.py").read_text())
+    waits = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef):
+            called = {
+                call.func.attr
+                for call in ast.walk(node)
+                if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+            }
+            if called & COLLECTIVE_CALLS and called & {"item", "tolist"}:
+                waits.add(node.name)
+    listed = next(
+        node.value
+        for node in tree.body
+        if isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "HOST_SYNCS"
+    )
+    assert waits == set(ast.literal_eval(listed))

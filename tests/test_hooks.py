@@ -1,6 +1,7 @@
 """Bad answers stop generation with a clear message and leave nothing behind;
 tricky but valid ones make working projects."""
 
+import os
 import subprocess
 import sys
 
@@ -55,6 +56,19 @@ def test_refused_answers_leave_nothing(tmp_path, key, value, message):
     assert message in result.stderr
     assert list(out.iterdir()) == []  # not even a parent folder
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_generation_leaves_nothing_in_the_temporary_folder(tmp_path):
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    result = subprocess.run(
+        [sys.executable, "-m", "cookiecutter", "--no-input", str(TEMPLATE)]
+        + ["--output-dir", str(tmp_path / "out")],
+        env={**os.environ, "TMPDIR": str(temporary)},
+    )
+    assert result.returncode == 0
+    assert (tmp_path / "out" / "ddp_trainer" / "main_multi_gpu.py").is_file()
+    assert list(temporary.iterdir()) == []
 
 
 def test_a_combination_that_cannot_work_is_refused_and_leaves_nothing(tmp_path):

@@ -38,7 +38,7 @@ def all_finite(path):
 
 # -- divergence --------------------------------------------------------------------------
 
-# The default loss, but on rank 1 its 45th call (epoch 2, step 13) returns NaN.
+# The default loss, but on rank 1 its 45th call (epoch 2, batch 13) returns NaN.
 NAN_ON_RANK_1 = """
 CALLS = []
 
@@ -61,7 +61,7 @@ def test_a_nan_loss_stops_the_run_and_names_the_step(tmp_path):
     assert code == 1 and left == [], output
     errors = [line for line in output.splitlines() if "error" in line.lower()]
     line = (
-        "error: the loss is nan in epoch 2 at step 13 (rank 1); stopped without saving "
+        "error: the loss is nan in epoch 2 at batch 13 (rank 1); stopped without saving "
         "it. Try a lower --lr, --clip-grad-norm 1.0, or --amp bf16 instead of fp16"
     )
     assert errors == [line], output
@@ -73,9 +73,10 @@ def test_a_nan_loss_stops_the_run_and_names_the_step(tmp_path):
     assert (out / "metrics.csv").read_text().count("\n") == 2  # header, epoch 1
 
 
-def test_a_huge_learning_rate_keeps_the_last_good_checkpoint(tmp_path):
-    """The case a user meets: resumed with --lr 1e6, the loss becomes NaN within an
-    epoch, and checkpoint_last.pt keeps every byte of the good one (spawn launcher:
+def test_a_huge_learning_rate_or_a_full_disk_keeps_the_last_good_checkpoint(tmp_path):
+    """The cases a user meets: resumed with --lr 1e6, the loss becomes NaN within an
+    epoch; resumed on a disk too full for a checkpoint (here a file size limit), the
+    save fails. checkpoint_last.pt keeps every byte of the good one (spawn launcher:
     it says nothing more than the workers)."""
     project = bake(tmp_path, launcher="spawn", save_strategy="last")
     out = tmp_path / "out"
@@ -83,13 +84,32 @@ def test_a_huge_learning_rate_keeps_the_last_good_checkpoint(tmp_path):
     assert code == 0, output
     good = {
         name: (out / name).read_bytes()
-        for name in ("checkpoint_last.pt", "model_final.pt")
+        for name in ("checkpoint_last.pt", "model_final.pt", "metrics.csv")
     }
+    files = sorted(p.name for p in out.iterdir())
     code, output, _, left = single(project, out, [*LONG, "--lr", "1e6"])
     assert code == 1 and left == [], output
-    assert "error: the loss is nan in epoch 2 at step " in output, output
+    assert "error: the loss is nan in epoch 2 at batch " in output, output
     assert "Traceback" not in output
     assert {name: (out / name).read_bytes() for name in good} == good
+
+    # Files of at most 64 KiB (the checkpoint has 170): writing one fails with EFBIG,
+    # as on a full disk with ENOSPC. Epoch 2's row is written, then its save fails.
+    limited = ["bash", "-c", 'ulimit -f 64 && exec ./run_single.sh "$@"', "bash"]
+    command = [*limited, *LONG, "--output-dir", str(out)]
+    code, output, _, left = watch(command, project, {"NPROC_PER_NODE": "2"}, out)
+    assert code == 1 and left == [], output
+    errors = [line for line in output.splitlines() if "error" in line.lower()]
+    last = out / "checkpoint_last.pt"
+    assert len(errors) == 1, output
+    assert errors[0].startswith(f"error: cannot write {last} (")
+    assert errors[0].endswith("GB free there); checkpoint_last.pt is left as it was")
+    assert "Traceback" not in output
+    assert {name: (out / name).read_bytes() for name in good} == good | {
+        "metrics.csv": (out / "metrics.csv").read_bytes()
+    }
+    assert (out / "metrics.csv").read_text().count("\n") == 3  # header, epochs 1, 2
+    assert sorted(p.name for p in out.iterdir()) == files  # no .tmp left
 
 
 # -- flags that cannot work ----------------------------------------------------------------
@@ -233,7 +253,7 @@ def test_ctrl_c_saves_like_sigterm(tmp_path, launcher):
     code, output, seconds, left = single(project, out, LONG, **env)
     assert code == 130 and left == [] and seconds < 60, output
     last = out / "checkpoint_last.pt"
-    line = f"interrupted: saved {last} in epoch 2 after 8 steps; run again to resume"
+    line = f"interrupted: saved {last} in epoch 2 after 8 batches; run again to resume"
     assert output.count(line) == 1, output
     assert "Traceback" not in output and "error" not in output.lower(), output
     checkpoint = load_weights(last)

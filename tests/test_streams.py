@@ -215,16 +215,16 @@ def test_a_seekable_stream_resumes_mid_pass_on_other_ranks_twice(tmp_path, strai
     output = run_single(
         project, out, 2, *two, env={**env, "TEST_ACT_AT": "0:0:0"}, expect=143
     )
-    assert "preempted: saved" in output and "in epoch 1 after 2 steps" in output
+    assert "preempted: saved" in output and "in epoch 1 after 2 batches" in output
     output = run_single(
         project, out, 1, *one, env={**env, "TEST_ACT_AT": "0:1:1"}, expect=143
     )
-    assert "resumed from" in output and "in epoch 1 after 4 steps" in output
+    assert "resumed from" in output and "in epoch 1 after 4 batches" in output
     assert "global batch 16 kept: 1 process x batch 8 x grad-accum 2" in output
-    assert "in epoch 2 after 2 steps" in output  # stopped again
+    assert "in epoch 2 after 2 batches" in output  # stopped again
     assert log.read_text() == "0 32\n"  # the one reader started at item 32
     output = run_single(project, out, 2, *two, env=env)
-    assert "in epoch 2 after 1 step" in output and "reads its first" not in output
+    assert "in epoch 2 after 1 batch" in output and "reads its first" not in output
     # 2 ranks x 2 workers, each at item 16 of pass 2.
     assert log.read_text() == "0 32\n" + "1 16\n" * 4
     assert max_difference(final(out), straight) < 1e-5
@@ -264,7 +264,7 @@ def test_a_stream_killed_without_warning_resumes_from_its_last_save(tmp_path, st
     assert "error: rank 1 died (SIGKILL)" in output
     output = run_single(project, out, 2, *args, env=env)
     # Update 4's save, 16 items into pass 2: only update 5 is trained again.
-    assert "in epoch 2 after 1 step" in output, output
+    assert "in epoch 2 after 1 batch" in output, output
     assert max_difference(final(out), straight) < 1e-5
 
 
@@ -298,7 +298,7 @@ def test_a_map_style_run_killed_without_warning_resumes_from_its_last_save(tmp_p
     assert "error: rank 1 died (SIGKILL)" in output
     output = run_single(project, out, 2, *args)
     # Update 3's save: updates 4 and 5 are trained again (fewer than 3).
-    assert "resumed from" in output and "in epoch 1 after 3 steps" in output
+    assert "resumed from" in output and "in epoch 1 after 3 batches" in output
     assert max_difference(final(out), final(tmp_path / "straight")) < 1e-6
     same = ("epoch", "step", "train_loss", "val_loss", "val_acc", "lr")
     rows = [[row[key] for key in same] for row in metrics(out)]
@@ -366,7 +366,7 @@ def test_the_readme_stream_examples_train_and_resume(tmp_path):
     output = run_single(
         project, out, 2, *args, "--batch-size", "8", env=stop, expect=143
     )
-    assert "in epoch 2 after 1 step" in output
+    assert "in epoch 2 after 1 batch" in output
     output = run_single(project, out, 1, *args, "--batch-size", "8")
-    assert "in epoch 2 after 2 steps" in output and "reads its first" not in output
+    assert "in epoch 2 after 2 batches" in output and "reads its first" not in output
     assert max_difference(final(out), final(tmp_path / "straight")) < 1e-5

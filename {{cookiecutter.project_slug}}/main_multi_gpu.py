@@ -34,9 +34,7 @@
 {% endif %}
 
 import argparse
-{% if not (fsdp and spawn) %}
 import contextlib
-{% endif %}
 import copy
 import csv
 import ctypes
@@ -50,9 +48,7 @@ import os
 {% if not spawn %}
 import shlex
 {% endif %}
-{% if fsdp %}
 import shutil
-{% endif %}
 import signal
 import socket
 import sys
@@ -420,22 +416,26 @@ def train(args, device):
     # rank 0's memory (every rank takes part), saved once, as one plain file.
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     weights = get_model_state_dict(t.model, options=options)
-    if dist.get_rank() == 0:
-        save_atomic(weights, out_dir / "model_final.pt")
-{% if strategy == "final_only" %}
-        shutil.rmtree(last_path, ignore_errors=True)  # a stop's or --save-every's
-{% endif %}
 {% else %}
-    if dist.get_rank() == 0:
-        # DDP change 4: the plain model's weights (not the DDP wrapper's), saved once.
-        save_atomic(t.model.state_dict(), out_dir / "model_final.pt")
-{% if strategy == "final_only" %}
-        last_path.unlink(missing_ok=True)  # a stop's or --save-every's checkpoint
+    # DDP change 4: the plain model's weights (not the DDP wrapper's), saved once.
+    weights = t.model.state_dict()
 {% endif %}
-{% endif %}
-        plotted = plot_losses(out_dir / "metrics.csv", out_dir / "loss.png")
-        report_outputs(out_dir, plotted, args.tensorboard)
+    by_rank_0(device, save_final, weights, out_dir, args.tensorboard)
     return 0
+
+
+def save_final(weights, out_dir, tensorboard):
+    """Rank 0, at the run's end: model_final.pt, the plot, and where they are."""
+    save_atomic(weights, out_dir / "model_final.pt")
+{% if strategy == "final_only" and fsdp %}
+    # final_only: the checkpoint a stop or --save-every wrote goes
+    shutil.rmtree(out_dir / "checkpoint_last", ignore_errors=True)
+{% elif strategy == "final_only" %}
+    # final_only: the checkpoint a stop or --save-every wrote goes
+    (out_dir / "checkpoint_last.pt").unlink(missing_ok=True)
+{% endif %}
+    plotted = plot_losses(out_dir / "metrics.csv", out_dir / "loss.png")
+    report_outputs(out_dir, plotted, tensorboard)
 
 
 def finished(t, at):
@@ -536,11 +536,11 @@ def after_update(t, at, reports, last):
     if not (evaluating or saving or at.step % LOG_EVERY == 0):
         return False
     stop = check(t, reports) and not finished(t, at)
+    reports.step_done()  # the step ends here: evaluations and saves are not training
 {% if strategy == "best" %}
     names = []  # the checkpoints to write
 {% endif %}
     if evaluating:
-        reports.step_done()  # the training before the evaluation, timed
 {% if fsdp %}
         # Each rank keeps its own BatchNorm running statistics: take rank 0's, which
         # the checkpoints and model_final.pt hold. Every rank takes every forward.
@@ -560,21 +560,19 @@ def after_update(t, at, reports, last):
             names.append("checkpoint_best{{ ext }}")
     if stop or saving or end:
         names.append("checkpoint_last{{ ext }}")
-    if names:
-        save_checkpoints(t, at, names)
 {% elif strategy == "every_epoch" %}
-    if stop or saving or end:
-        names = ["checkpoint_last{{ ext }}"]
-        if last:
-            names.append(f"checkpoint_epoch{at.epoch:03d}{{ ext }}")
-        save_checkpoints(t, at, names)
+    names = ["checkpoint_last{{ ext }}"] if stop or saving or end else []
+    if names and last:
+        names.append(f"checkpoint_epoch{at.epoch:03d}{{ ext }}")
 {% elif strategy == "final_only" %}
-    if stop or saving:  # final_only keeps none at a pass's end
-        save_checkpoints(t, at, ["checkpoint_last{{ ext }}"])
+    # final_only keeps none at a pass's end
+    names = ["checkpoint_last{{ ext }}"] if stop or saving else []
 {% else %}
-    if stop or saving or end:
-        save_checkpoints(t, at, ["checkpoint_last{{ ext }}"])
+    names = ["checkpoint_last{{ ext }}"] if stop or saving or end else []
 {% endif %}
+    if names:
+        with reports.aside():
+            save_checkpoints(t, at, names)
     return stop
 
 
@@ -593,16 +591,21 @@ def save_checkpoints(t, at, names):
         tmp.mkdir(parents=True)
     dist.barrier()  # before anyone writes into it
     dcp.save(shards, checkpoint_id=tmp, planner=RANK_0_WRITES_REPLICAS)
-    if dist.get_rank() == 0:
-        save_atomic(state, tmp / "train_state.pt")
+    by_rank_0(t.device, commit, state, tmp, [out_dir / name for name in names])
+
+
+def commit(state, tmp, paths):
+    """Rank 0: the rest of the state into the folder `tmp`, which then takes the
+    place of each path (a copy for all but the first)."""
+    save_atomic(state, tmp / "train_state.pt")
 {% if strategy in ("best", "every_epoch") %}
-        for name in names[1:]:  # the same checkpoint under another name: a copy
-            copy = out_dir / f"{name}.tmp"
-            shutil.rmtree(copy, ignore_errors=True)
-            shutil.copytree(tmp, copy)
-            replace_folder(copy, out_dir / name)
+    for path in paths[1:]:  # the same checkpoint under another name: a copy
+        copy = path.with_name(f"{path.name}.tmp")
+        shutil.rmtree(copy, ignore_errors=True)
+        shutil.copytree(tmp, copy)
+        replace_folder(copy, path)
 {% endif %}
-        replace_folder(tmp, out_dir / names[0])
+    replace_folder(tmp, paths[0])
 
 
 def replace_folder(new, path):
@@ -619,9 +622,14 @@ def save_checkpoints(t, at, names):
     """DDP change 4: rank 0 alone saves, the state at `at` under each name. (Every
     rank calls it: the checkpoint's loss sums are added up over the ranks.)"""
     state = snapshot(t, at)
-    if dist.get_rank() == 0:
-        for name in names:
-            save_atomic(state, Path(t.args.output_dir) / name)
+    out_dir = Path(t.args.output_dir)
+    by_rank_0(t.device, save_each, state, [out_dir / name for name in names])
+
+
+def save_each(state, paths):
+    """Rank 0: the same checkpoint under each name."""
+    for path in paths:
+        save_atomic(state, path)
 {% endif %}
 
 
@@ -1044,7 +1052,7 @@ def diverged_failure(recent, first_step, epoch, device):
         value = value.to(device)
         dist.broadcast(value, src=bad_rank)
         where = (
-            f"the loss is {value.item()} in epoch {epoch + 1} at step {step + 1} "
+            f"the loss is {value.item()} in epoch {epoch + 1} at batch {step + 1} "
             f"(rank {bad_rank})"
         )
     return failure(
@@ -1067,11 +1075,12 @@ def stopped(last_path, at, batch_size):
 
 def where(at, batch_size):
     """A position as the run's lines say it: "after epoch 2", "in epoch 3 after 20
-    steps" (this run's steps: micro-batches of each process)."""
+    batches" (each process's batches, --batch-size each: with --grad-accum 2, two
+    batches make an optimizer update)."""
     if not at.samples:
         return f"after epoch {at.epoch}"
-    steps = at.samples // (batch_size * dist.get_world_size())
-    return f"in epoch {at.epoch + 1} after {steps} step{'s' * (steps != 1)}"
+    batches = at.samples // (batch_size * dist.get_world_size())
+    return f"in epoch {at.epoch + 1} after {batches} batch{'es' * (batches != 1)}"
 
 
 @torch.no_grad()
@@ -1205,13 +1214,49 @@ def plain(value):
 
 
 def save_atomic(obj, path):
-    """Write a temporary file, then rename it: a crash mid-write keeps the old file."""
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("wb") as f:
+    """torch.save(obj) to `path`, whole or not at all (see replacing)."""
+    with replacing(path, "wb") as f:
         torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def replacing(path, mode):
+    """A temporary file to write, renamed to `path` once complete: a crash or a
+    failed write (a full disk) leaves `path` as it was; a failed write ends the run
+    with one line."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with tmp.open(mode, newline=None if "b" in mode else "") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as err:  # torch.save's failed writes: RuntimeError
+        tmp.unlink(missing_ok=True)
+        reason = getattr(err, "strerror", None) or str(err).strip().splitlines()[0]
+        free = shutil.disk_usage(path.parent).free / 2**30
+        raise failure(
+            f"error: cannot write {path} ({reason}; {free:.1f} GB free there); "
+            f"{path.name} is left as it was"
+        ) from None
+
+
+def by_rank_0(device, write, *args):
+    """DDP change 4: rank 0 alone calls write(*args), which writes files. The others
+    wait for it (as they would at the next collective), so that a write that fails
+    there ends every rank together, with one line from rank 0."""
+    failed = torch.zeros((), device=device)
+    if dist.get_rank() == 0:
+        try:
+            write(*args)
+        except SystemExit:  # a file's write failed, and replacing() said so
+            failed.fill_(1)
+        except OSError as err:  # a folder that cannot be made, copied or moved
+            failure(f"error: cannot write {err.filename}: {err.strerror or err}")
+            failed.fill_(1)
+    dist.broadcast(failed, src=0)
+    if failed.item():
+        raise SystemExit(1)
 
 
 {% if fsdp %}
@@ -1435,10 +1480,8 @@ def resume(t, checkpoint, out_dir):
                 "afresh"
             )
     t.sums = LossSums(t.device, t.args, carried if dist.get_rank() == 0 else (0, 0))
-    if dist.get_rank() == 0:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        saved_step = checkpoint["step"] if checkpoint else 0  # the rows' counting
-        start_metrics(out_dir / "metrics.csv", saved_step)
+    saved_step = checkpoint["step"] if checkpoint else 0  # the rows' counting
+    by_rank_0(t.device, start_metrics, out_dir, saved_step)
     return at
 
 
@@ -1602,14 +1645,23 @@ class Reports:
         """From here on the next row's numbers: time, samples, steps, updates."""
         self.since, self.data_s, self.samples = time.perf_counter(), 0.0, 0
         self.steps, self.updates, self.step = [], [], None
+        self.trained, self.aside_s = self.since, 0.0
 
     def step_done(self):
-        """The step under way ends here (an evaluation that follows is not part of
-        it): time it, and note when training stopped for the row."""
+        """The step under way, if any, ends here: time it, and note when training
+        stopped for the row."""
         if self.step is not None:
             self.steps.append((self.step, self.mark()))
             self.step = None
-        self.trained = time.perf_counter()
+            self.trained = time.perf_counter()
+
+    @contextlib.contextmanager
+    def aside(self):
+        """Work between steps that is not training (a save): in epoch_s, but kept out
+        of the steps' times and samples_per_s."""
+        tick = time.perf_counter()
+        yield
+        self.aside_s += time.perf_counter() - tick
 
     def batches(self, data, at):
         """The pass's (batch, ...) tuples from `data`, timed: the wait for each
@@ -1648,27 +1700,29 @@ class Reports:
 
     def row(self, at, metrics):
         """An evaluation's row in metrics.csv (and TensorBoard), and its line: the
-        training since the previous row (until step_done()), then the validation
-        metrics. Every rank calls it (the loss is summed over ranks)."""
+        training since the previous row (its steps; saves left out), then the
+        validation metrics. Every rank calls it (the loss is summed over ranks)."""
         loss_sum, units = self.t.sums.totals(reset=True)
+        row = None
         if self.is_main:
             if self.t.device.type == "cuda":
                 torch.cuda.synchronize()  # the events above have all happened
             step_s = sum(seconds(a, b) for a, b in self.steps)
             optimizer_s = sum(seconds(a, b) for a, b in self.updates)
+            trained_s = self.trained - self.since - self.aside_s  # saves left out
             epoch = at.epoch if not at.samples else at.epoch + 1  # done, or under way
             row = {"epoch": epoch, "step": at.step}
             row["train_loss"] = loss_sum / units if units else math.nan
             row |= {f"val_{name}": value for name, value in metrics.items()}
             row |= {
                 "lr": self.t.optimizer.param_groups[0]["lr"],
-                "samples_per_s": self.samples / (self.trained - self.since),
+                "samples_per_s": self.samples / trained_s,
                 "epoch_s": time.perf_counter() - self.since,
                 "data_s": self.data_s,
                 "compute_s": step_s - optimizer_s,
                 "optimizer_s": optimizer_s,
             }
-            self.write(row)
+        by_rank_0(self.t.device, self.write, row)
         self.start_interval()
 
     def write(self, row):
@@ -1701,9 +1755,11 @@ def seconds(begin, end):
     return begin.elapsed_time(end) / 1000  # call after torch.cuda.synchronize()
 
 
-def start_metrics(path, done):
-    """Keep the rows of the updates already done (none on a fresh start); drop the
-    rest."""
+def start_metrics(out_dir, done):
+    """Make the output folder; keep metrics.csv's rows of the updates already done
+    (none on a fresh start), drop the rest."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "metrics.csv"
     rows = read_metrics(path) if done else []
     write_metrics(path, [row for row in rows if int(row["step"]) <= done])
 
@@ -1723,13 +1779,11 @@ def read_metrics(path):
 def write_metrics(path, rows):
     """Rewrite metrics.csv whole (a row per evaluation: small), atomically."""
     columns = list(dict.fromkeys(key for row in rows for key in row))
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w", newline="") as f:
+    with replacing(path, "w") as f:
         writer = csv.DictWriter(f, columns)
         writer.writeheader()
         for row in rows:
             writer.writerow({key: text(value) for key, value in row.items()})
-    os.replace(tmp, path)
 
 
 def text(value):
@@ -1752,7 +1806,8 @@ def plot_losses(metrics_path, png_path):
     axes.set_ylabel("loss")
     axes.legend()
     figure.tight_layout()
-    figure.savefig(png_path)
+    with replacing(png_path, "wb") as f:
+        figure.savefig(f, format="png")
     return True
 
 
@@ -2180,7 +2235,16 @@ COLLECTIVES = ("torch/distributed/", "torch/nn/parallel/", "torch/autograd/")
 {% endif %}
 # This file's functions that wait for the GPU (.item(), .tolist()) right after a
 # collective: with NCCL, a rank waiting for the others stops there.
-HOST_SYNCS = {"check", "totals", "evaluate", "broadcast_bytes", "preflight"}
+HOST_SYNCS = {
+    "check",
+    "totals",
+    "diverged_failure",
+    "evaluate",
+    "load_shared",
+    "by_rank_0",
+    "broadcast_bytes",
+    "preflight",
+}
 # How gloo says that another rank went away (in plain RuntimeErrors).
 LOST = ("closed by peer", "reset by peer", "Timed out waiting", "caused pair closure")
 
