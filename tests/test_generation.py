@@ -104,8 +104,8 @@ def test_only_the_chosen_variant_is_in_the_script(baked):
         )
         resumable = answers["save_strategy"] != "final_only"
         # At every pass's end, or only on a stop or --save-every (final_only).
-        every_pass = " if stop or saving or end"
-        on_stop = "\n    # final_only keeps none at a pass's end\n"
+        every_pass = "\n    if stop or saving or end:\n"
+        on_stop = "\n    if stop or saving:  # final_only keeps none at a pass's end\n"
         assert (every_pass in code, on_stop in code) == (resumable, not resumable)
         assert ("--nnodes" in code) == (
             answers["launcher"] == "spawn" and answers["nodes"] == "multi"

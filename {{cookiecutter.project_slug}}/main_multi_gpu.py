@@ -560,19 +560,25 @@ def after_update(t, at, reports, last):
             names.append("checkpoint_best{{ ext }}")
     if stop or saving or end:
         names.append("checkpoint_last{{ ext }}")
-{% elif strategy == "every_epoch" %}
-    names = ["checkpoint_last{{ ext }}"] if stop or saving or end else []
-    if names and last:
-        names.append(f"checkpoint_epoch{at.epoch:03d}{{ ext }}")
-{% elif strategy == "final_only" %}
-    # final_only keeps none at a pass's end
-    names = ["checkpoint_last{{ ext }}"] if stop or saving else []
-{% else %}
-    names = ["checkpoint_last{{ ext }}"] if stop or saving or end else []
-{% endif %}
     if names:
-        with reports.aside():
+        with reports.aside():  # not training: kept out of the step times
             save_checkpoints(t, at, names)
+{% elif strategy == "every_epoch" %}
+    if stop or saving or end:
+        names = ["checkpoint_last{{ ext }}"]
+        if last:
+            names.append(f"checkpoint_epoch{at.epoch:03d}{{ ext }}")
+        with reports.aside():  # not training: kept out of the step times
+            save_checkpoints(t, at, names)
+{% elif strategy == "final_only" %}
+    if stop or saving:  # final_only keeps none at a pass's end
+        with reports.aside():  # not training: kept out of the step times
+            save_checkpoints(t, at, ["checkpoint_last{{ ext }}"])
+{% else %}
+    if stop or saving or end:
+        with reports.aside():  # not training: kept out of the step times
+            save_checkpoints(t, at, ["checkpoint_last{{ ext }}"])
+{% endif %}
     return stop
 
 
