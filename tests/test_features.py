@@ -1,6 +1,7 @@
 """The speed and insight flags: --amp, --compile, the per-epoch time breakdown,
---profile-steps, loss.png and --tensorboard, a run without NumPy, and the allocator
-setting that keeps page faults out of the CPU step. (--grad-accum: test_workbench.py
+--profile-steps, loss.png and --tensorboard, a run without NumPy, the allocator
+setting that keeps page faults out of the CPU step, and the objects spared the
+garbage collector. (--grad-accum: test_workbench.py
 and test_elastic.py.) Speed itself is measured in bench/, never here."""
 
 import json
@@ -58,6 +59,7 @@ def fp32_weights(project, tmp_path_factory):
     return load_weights(out / "model_final.pt")
 
 
+@pytest.mark.xdist_group("features_fp32")
 def test_bf16_autocast_trains_close_to_fp32(project, fp32_weights, tmp_path):
     out = tmp_path / "bf16"
     train(project, out, *COMMON, "--batch-size", "8", "--amp", "bf16", "--epochs", "2")
@@ -66,6 +68,7 @@ def test_bf16_autocast_trains_close_to_fp32(project, fp32_weights, tmp_path):
     assert load_weights(out / "checkpoint_last.pt")["scaler"] == {}  # none needed
 
 
+@pytest.mark.xdist_group("features_fp32")
 def test_fp16_trains_close_to_fp32_and_resumes_its_loss_scaler(
     project, fp32_weights, tmp_path
 ):
@@ -176,6 +179,7 @@ PAGE_FAULTS = f"""{HERE}            if here in ("0:0:10", "0:0:190"):
                 faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 if here == "0:0:190":
                     print(f"page faults per step: {{(faults - faults_at_10) / 180}}")
+                    print(f"frozen objects: {{gc.get_freeze_count()}}")
                 faults_at_10 = faults
 """
 KEEP_FREED_MEMORY = "    keep_freed_memory()  # before any tensor"
@@ -197,6 +201,9 @@ def test_freed_memory_is_kept_instead_of_faulted_in_every_step(tmp_path):
         output = train(project, tmp_path / f"out{kept}", *args)
         [line] = [x for x in output.splitlines() if x.startswith("page faults per")]
         faults[kept] = float(line.split(":")[1])
+        # And torch's objects are out of the garbage collector's sight (see below).
+        [line] = [x for x in output.splitlines() if x.startswith("frozen objects")]
+        assert int(line.split(":")[1]) > FROZEN_AT_LEAST, output
     assert faults[True] < 5, faults
     assert faults[False] > 20, faults  # 40-1500 here, with the same code
 
@@ -228,6 +235,39 @@ print(subprocess.run(child, capture_output=True, text=True).stdout.strip())
     before, after = result.stdout.splitlines()
     assert before == "None None"
     assert after == f"{1 << 30} {1 << 30}"
+
+
+# Objects that importing torch makes for the garbage collector to track (some 170,000
+# in torch 2.13; the test takes a lower bound).
+FROZEN_AT_LEAST = 100_000
+SPARE_THE_COLLECTOR = """
+import atexit, gc, sys
+sys.path.insert(0, PROJECT)
+import main_multi_gpu
+before = gc.get_freeze_count()
+main_multi_gpu.spare_the_garbage_collector()
+frozen = gc.get_freeze_count()
+made_later = [[] for _ in range(1000)]
+watched = len(gc.get_objects())
+atexit._run_exitfuncs()  # as the interpreter does at exit, before its last collection
+print(before, frozen, watched, len(gc.get_objects()))
+"""
+
+
+def test_what_lives_until_exit_is_spared_the_garbage_collector(project):
+    """spare_the_garbage_collector() freezes the objects made so far (torch's), so
+    no full collection walks them again, and at exit everything made since: the last
+    collection, at the interpreter's exit, then walks nothing."""
+    script = SPARE_THE_COLLECTOR.replace("PROJECT", repr(str(project)))
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    before, frozen, watched, at_exit = map(int, result.stdout.split())
+    assert before == 0
+    assert frozen > FROZEN_AT_LEAST
+    assert watched >= 1000  # made after the call, so still watched until exit
+    assert at_exit == 0
 
 
 @pytest.mark.gpu
