@@ -19,6 +19,8 @@ from conftest import (
     without_batchnorm,
 )
 
+pytestmark = pytest.mark.xdist_group("elastic")  # one test worker: one reference
+
 # A small --lr: at the default 0.1 this BatchNorm-free model is chaotic enough in its
 # third epoch that float rounding (1e-8, from summing gradients in another order)
 # grows past 1e-5; at 0.02 an unchanged run and a resumed one stay within 1e-6.

@@ -2,6 +2,8 @@
 distributed evaluation on any number of processes, printed like a training epoch's
 line, with nothing written; a file that is missing or does not fit is one line."""
 
+import shutil
+
 import pytest
 import torch
 
@@ -28,11 +30,25 @@ def printed(output, path):
     return {name: float(value) for name, value in pairs}
 
 
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """The output folder of the default project's run on 2 processes, 2 epochs."""
+    root = tmp_path_factory.mktemp("trained")
+    project = bake(root, save_strategy="last")
+    run_single(project, root / "out", 2, *ARGS, "--epochs", "2", "--train-size", "64")
+    return root / "out"
+
+
+@pytest.mark.xdist_group("evaluate_trained")
 @pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
-def test_evaluate_equals_the_last_epoch_on_one_and_two_processes(tmp_path, launcher):
+def test_evaluate_equals_the_last_epoch_on_one_and_two_processes(
+    tmp_path, trained, launcher
+):
+    """Each launcher's project scores the same run's files (their format is the
+    same: the launcher only starts the processes)."""
     project = bake(tmp_path, launcher=launcher, save_strategy="last")
     out = tmp_path / "out"
-    run_single(project, out, 2, *ARGS, "--epochs", "2", "--train-size", "64")
+    shutil.copytree(trained, out)
     last = metrics(out)[-1]
     before = folder_state(out)
     # The default --train-size this time: the validation set does not depend on it.

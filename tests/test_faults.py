@@ -164,6 +164,7 @@ def test_a_killed_worker_stops_the_job_and_is_named(tmp_path, launcher):
 # -- (b) torchrun --max-restarts survives it ---------------------------------------------
 
 
+@pytest.mark.xdist_group("faults_reference")
 def test_torchrun_restarts_from_the_checkpoint_and_ends_the_same(tmp_path, reference):
     project = bake(tmp_path, launcher="torchrun", save_strategy="last")
     act_after_step(project)
@@ -182,6 +183,7 @@ def test_torchrun_restarts_from_the_checkpoint_and_ends_the_same(tmp_path, refer
 # -- (c) a kill while saving leaves the previous checkpoint ------------------------------
 
 
+@pytest.mark.xdist_group("faults_reference")
 def test_a_kill_while_saving_keeps_the_previous_checkpoint(tmp_path, reference):
     project = bake(tmp_path, save_strategy="last")
     # Write half of the second epoch's checkpoint_last.pt, then die.
@@ -223,6 +225,7 @@ def test_a_kill_while_saving_keeps_the_previous_checkpoint(tmp_path, reference):
     # Ctrl-C, which stops the same way, runs final_only in test_safety.py.
     [("torchrun", "every_epoch", "job"), ("spawn", "best", "launcher")],
 )
+@pytest.mark.xdist_group("faults_reference")
 def test_sigterm_saves_then_resume_ends_the_same(
     tmp_path, reference, launcher, strategy, target
 ):

@@ -62,6 +62,7 @@ def reference(tmp_path_factory):
     return project, root / "out"
 
 
+@pytest.mark.xdist_group("fsdp2_reference")
 def test_two_ranks_equal_one_with_twice_the_batch_and_ddp(reference, tmp_path):
     project, two = reference
     one = tmp_path / "one"
@@ -99,6 +100,7 @@ def test_two_ranks_equal_one_with_twice_the_batch_and_ddp(reference, tmp_path):
     ]
 
 
+@pytest.mark.xdist_group("fsdp2_reference")
 def test_resume_on_fewer_and_more_ranks_equals_a_run_never_stopped(reference, tmp_path):
     """2 ranks stopped by SIGTERM in epoch 1, resumed on 1 (DCP reshards the
     folder); 1 rank with --grad-accum 2 for an epoch, resumed on 2: both end like the
@@ -195,6 +197,7 @@ def test_each_rank_holds_one_over_world_size(tmp_path):
         assert memory[world] == pytest.approx([x / world for x in memory[1]], rel=0.01)
 
 
+@pytest.mark.xdist_group("fsdp2_reference")
 def test_a_crash_while_saving_keeps_the_previous_folder_and_a_nan_saves_nothing(
     reference, tmp_path
 ):

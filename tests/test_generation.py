@@ -18,6 +18,8 @@ from combinations import (
 )
 from conftest import USER_FUNCTIONS, bake
 
+pytestmark = pytest.mark.xdist_group("generation")  # one test worker: baked once
+
 COMMON_FILES = {"main_multi_gpu.py", "run_single.sh", "README.md", "requirements.txt"}
 
 

@@ -2,6 +2,8 @@
 batch, a resumed run equals an uninterrupted one, and evaluation is exact for any
 world size. CPU and gloo; the SyncBatchNorm case needs a GPU."""
 
+import shutil
+
 import pytest
 import torch
 
@@ -46,6 +48,7 @@ def one_worker(tmp_path_factory):
     return load_weights(root / "w1" / "model_final.pt"), metrics(root / "w1")
 
 
+@pytest.mark.xdist_group("guarantees_one_worker")
 @pytest.mark.parametrize("use_batch_sampler", [True, False])
 @pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
 def test_two_workers_equal_one_worker_with_twice_the_batch(
@@ -71,18 +74,6 @@ def test_two_workers_equal_one_worker_with_twice_the_batch(
             assert float(row2[key]) == pytest.approx(float(row1[key]), abs=2e-6)
 
 
-def test_plain_batchnorm_breaks_the_equivalence(tmp_path):
-    """The control for the test above: with per-rank BatchNorm statistics, 2 x 8 is not
-    1 x 16, and the comparison sees it."""
-    project = bake(tmp_path, save_strategy="final_only")
-    args = ["--epochs", "2", "--train-size", "64"]
-    train(project, tmp_path / "w2", 2, *args, "--batch-size", "8")
-    train(project, tmp_path / "w1", 1, *args, "--batch-size", "16")
-    w2 = load_weights(tmp_path / "w2" / "model_final.pt")
-    w1 = load_weights(tmp_path / "w1" / "model_final.pt")
-    assert max_difference(w2, w1) > 1e-3
-
-
 @pytest.mark.gpu
 def test_sync_batchnorm_two_workers_equal_one_worker_on_gpu(tmp_path):
     """Real SyncBatchNorm (GPU only). NCCL wants one GPU per rank; with a single GPU,
@@ -101,21 +92,30 @@ def test_sync_batchnorm_two_workers_equal_one_worker_on_gpu(tmp_path):
 
 
 # -- 2. Resume ---------------------------------------------------------------------------
+# ("last", "final_only" and torchrun resume in test_workbench.py, test_elastic.py,
+# test_safety.py and test_faults.py; here the spawn launcher and the strategy with the
+# most state.)
+
+RESUMED = ["--train-size", "64", "--batch-size", "8"]
 
 
-@pytest.mark.parametrize(
-    ("launcher", "strategy"),
-    # "last", "final_only" and torchrun resume in test_workbench.py, test_elastic.py,
-    # test_safety.py and test_faults.py; here the strategy with the most state.
-    [("spawn", "best")],
-)
-def test_resume_equals_no_interruption(tmp_path, launcher, strategy):
-    project = bake(tmp_path, launcher=launcher, save_strategy=strategy)
-    args = ["--train-size", "64", "--batch-size", "8"]
-    full, cut = tmp_path / "full", tmp_path / "cut"
-    train(project, full, 2, *args, "--epochs", "3")
-    train(project, cut, 2, *args, "--epochs", "1")
-    output = train(project, cut, 2, *args, "--epochs", "3")  # --resume auto: default
+@pytest.fixture(scope="module")
+def straight_and_cut(tmp_path_factory):
+    """The default project (BatchNorm, spawn, best), 2 workers x batch 8: a run of 3
+    epochs, and one stopped after epoch 1 (its folder is copied by each resume)."""
+    root = tmp_path_factory.mktemp("straight_and_cut")
+    project = bake(root, launcher="spawn", save_strategy="best")
+    train(project, root / "full", 2, *RESUMED, "--epochs", "3")
+    train(project, root / "cut", 2, *RESUMED, "--epochs", "1")
+    return project, root / "full", root / "cut"
+
+
+@pytest.mark.xdist_group("guarantees_straight_and_cut")
+def test_resume_equals_no_interruption(tmp_path, straight_and_cut):
+    project, full, stopped = straight_and_cut
+    cut = tmp_path / "cut"
+    shutil.copytree(stopped, cut)
+    output = train(project, cut, 2, *RESUMED, "--epochs", "3")  # --resume auto
     assert f"resumed from {cut / 'checkpoint_last.pt'} after epoch 1" in output
 
     assert (
@@ -134,24 +134,24 @@ def test_resume_equals_no_interruption(tmp_path, launcher, strategy):
     resumed = {k: v["momentum_buffer"] for k, v in b["optimizer"]["state"].items()}
     assert momentum.keys() == resumed.keys() and momentum
     assert max_difference(momentum, resumed) < 1e-6
-    if strategy == "best":
-        assert a["best_val_loss"] == b["best_val_loss"]
-        best_a = load_weights(full / "checkpoint_best.pt")["epoch"]
-        assert best_a == load_weights(cut / "checkpoint_best.pt")["epoch"]
+    assert a["best_val_loss"] == b["best_val_loss"]
+    best_a = load_weights(full / "checkpoint_best.pt")["epoch"]
+    assert best_a == load_weights(cut / "checkpoint_best.pt")["epoch"]
     # metrics.csv continues: the same rows, none twice.
     assert [[r[k] for k in SAME] for r in metrics(full)] == [
         [r[k] for k in SAME] for r in metrics(cut)
     ]
 
 
-def test_resume_with_a_restarted_data_order_differs(tmp_path):
+@pytest.mark.xdist_group("guarantees_straight_and_cut")
+def test_resume_with_a_restarted_data_order_differs(tmp_path, straight_and_cut):
     """The control for the test above: a resume that restarts the shuffle at epoch 0
     (a script calling set_epoch with its own loop counter) ends elsewhere."""
-    project = bake(tmp_path, save_strategy="last")
-    args = ["--train-size", "64", "--batch-size", "8"]
-    full, cut = tmp_path / "full", tmp_path / "cut"
-    train(project, full, 2, *args, "--epochs", "3")
-    train(project, cut, 2, *args, "--epochs", "1")
+    original, full, stopped = straight_and_cut
+    project = tmp_path / original.name
+    shutil.copytree(original, project)
+    cut = tmp_path / "cut"
+    shutil.copytree(stopped, cut)
     edit(
         project, "NUM_CLASSES = 10\n", "NUM_CLASSES = 10\nPASSES = []  # of this run\n"
     )
@@ -160,13 +160,25 @@ def test_resume_with_a_restarted_data_order_differs(tmp_path):
         "    t.train_data.set_epoch(at.epoch,",
         "    PASSES.append(at.epoch)\n    t.train_data.set_epoch(len(PASSES) - 1,",
     )
-    train(project, cut, 2, *args, "--epochs", "3")
+    train(project, cut, 2, *RESUMED, "--epochs", "3")
     assert (
         max_difference(
             load_weights(full / "model_final.pt"), load_weights(cut / "model_final.pt")
         )
         > 1e-4
     )
+
+
+@pytest.mark.xdist_group("guarantees_straight_and_cut")
+def test_plain_batchnorm_breaks_the_equivalence(tmp_path, straight_and_cut):
+    """The control for the equivalence above: with per-rank BatchNorm statistics,
+    2 x 8 is not 1 x 16, and the comparison sees it."""
+    project, two, _ = straight_and_cut
+    one = tmp_path / "one"
+    train(project, one, 1, "--train-size", "64", "--batch-size", "16", "--epochs", "3")
+    w2 = load_weights(two / "model_final.pt")
+    w1 = load_weights(one / "model_final.pt")
+    assert max_difference(w2, w1) > 1e-3
 
 
 # -- 3. Exact evaluation -----------------------------------------------------------------

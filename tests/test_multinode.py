@@ -28,6 +28,8 @@ from conftest import (
 )
 
 LAUNCHERS = ["torchrun", "spawn"]
+# One test worker runs the module: the projects and the one-machine run are made once.
+pytestmark = pytest.mark.xdist_group("multinode")
 # Each pair of namespaces is a network of its own: tests running at once never clash.
 SUBNET = "10.231.0"
 NOBODY = f"{SUBNET}.99"  # on the subnet, but no host has it
@@ -100,14 +102,21 @@ def project(launcher, tmp_path_factory):
     return bake(tmp_path_factory.mktemp(launcher), nodes="multi", launcher=launcher)
 
 
-@needs_netns
-def test_two_hosts_train_like_one_machine(project, tmp_path):
-    args = [*TINY, "--backend", "gloo"]
-    ref = tmp_path / "one_machine"
-    command = ["./run_single.sh", *args, "--output-dir", str(ref)]
+@pytest.fixture(scope="module")
+def one_machine(tmp_path_factory):
+    """The final weights of the default multi-node project's run on one machine, 2
+    processes (the launcher only starts processes: the same for both)."""
+    root = tmp_path_factory.mktemp("one_machine")
+    project = bake(root, nodes="multi")
+    command = ["./run_single.sh", *TINY, "--backend", "gloo", "--output-dir", "out"]
     code, output = run_job(command, project, {"NPROC_PER_NODE": "2"})
     assert code == 0, output
+    return torch.load(project / "out" / "model_final.pt", weights_only=True)
 
+
+@needs_netns
+def test_two_hosts_train_like_one_machine(project, one_machine, tmp_path):
+    args = [*TINY, "--backend", "gloo"]
     out = tmp_path / "two_hosts"
     with two_hosts() as hosts:
         results = on_hosts(
@@ -122,9 +131,8 @@ def test_two_hosts_train_like_one_machine(project, tmp_path):
     assert results[0][1].count("done: weights ") == 1
 
     final = torch.load(out / "model_final.pt", weights_only=True)
-    expected = torch.load(ref / "model_final.pt", weights_only=True)
-    assert final.keys() == expected.keys()
-    for key, value in expected.items():
+    assert final.keys() == one_machine.keys()
+    for key, value in one_machine.items():
         torch.testing.assert_close(final[key], value, rtol=0, atol=1e-6, msg=key)
 
 

@@ -14,18 +14,29 @@ import pytest
 import torch
 
 import slurm_cluster
-from conftest import TEARDOWN_ABORT, TINY, bake, free_port, run_job
+from conftest import TEARDOWN_ABORT, TINY, bake, edit, free_port, run_job
 
 UNAVAILABLE = slurm_cluster.unavailable()
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE)),
+    pytest.mark.xdist_group("slurm"),  # one test worker: one cluster
 ]
 OVERRIDES = ["--nodes=1", "--gpus-per-node=0", "--cpus-per-task=2"]
 ENV = {"NPROC_PER_NODE": "2", "PYTHONUNBUFFERED": "1"}
-# 3 epochs of 256 steps: a SIGTERM sent when epoch 1 ends arrives mid-run.
-LONG = ["--epochs", "3", "--batch-size", "8", "--train-size", "4096"]
+# 3 epochs of 32 steps of at least 0.1 s each (see slow_steps): a SIGTERM sent when
+# epoch 1 ends arrives mid-run.
+LONG = ["--epochs", "3", "--batch-size", "8", "--train-size", "512"]
 LONG += ["--val-size", "37", "--num-workers", "0"]
+
+
+def slow_steps(project):
+    """Each training step waits 0.1 s first: long epochs that cost little CPU."""
+    edit(
+        project,
+        "    images, labels = batch\n    return F.cross_entropy(",
+        "    time.sleep(0.1)\n    images, labels = batch\n    return F.cross_entropy(",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +122,7 @@ def test_preempted_job_requeues_and_ends_with_the_same_weights(
         save_strategy=save_strategy,
         scheduler="slurm",
     )
+    slow_steps(project)
     # The same training, uninterrupted and outside Slurm, on as many processes.
     code, reference_output = run_job(
         ["./run_single.sh", *LONG, "--output-dir", "reference"], project, ENV

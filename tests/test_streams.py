@@ -203,6 +203,7 @@ def straight(tmp_path_factory):
     return final(root / "out")
 
 
+@pytest.mark.xdist_group("streams_straight")
 def test_a_seekable_stream_resumes_mid_pass_on_other_ranks_twice(tmp_path, straight):
     """2 ranks (2 workers each), stopped after update 2 (32 items into pass 1); 1
     rank (no workers), stopped after update 4 (16 items into pass 2); 2 ranks again
@@ -230,6 +231,7 @@ def test_a_seekable_stream_resumes_mid_pass_on_other_ranks_twice(tmp_path, strai
     assert max_difference(final(out), straight) < 1e-5
 
 
+@pytest.mark.xdist_group("streams_straight")
 def test_a_stream_without_state_reads_up_to_where_it_stopped(tmp_path, straight):
     """The spawn launcher (the other tests: torchrun), 2 ranks then 1."""
     project = stream_project(
@@ -251,6 +253,7 @@ def test_a_stream_without_state_reads_up_to_where_it_stopped(tmp_path, straight)
 KILL = "os.kill(os.getpid(), signal.SIGKILL)"  # no signal handler runs
 
 
+@pytest.mark.xdist_group("streams_straight")
 def test_a_stream_killed_without_warning_resumes_from_its_last_save(tmp_path, straight):
     project = stream_project(tmp_path, "seek", SEEKABLE, save_strategy="every_epoch")
     out = tmp_path / "out"

@@ -12,6 +12,7 @@ then trained on 2 workers, resumed, and, where the model allows it, shown equal 
 Also what a resume does when the schedule's arguments or the global batch change."""
 
 import math
+import shutil
 
 import pytest
 import torch
@@ -343,17 +344,31 @@ def test_token_weighting_is_what_makes_dict_batches_scale(tmp_path):
 # -- AdamW, warm-up and cosine, gradient clipping -----------------------------------------
 
 
-def test_adamw_cosine_and_clipping_scale_with_workers_and_accumulation(tmp_path):
-    project = adapted(tmp_path, "adamw", ADAMW_COSINE)
+ADAMW = ["--epochs", "2", "--lr", "0.003", "--clip-grad-norm", "0.5"]
+
+
+@pytest.fixture(scope="module")
+def adamw(tmp_path_factory):
+    """The project with ADAMW_COSINE and no BatchNorm, able to stop itself, and the
+    output of its run on 2 workers x batch 8 with ADAMW's arguments."""
+    root = tmp_path_factory.mktemp("adamw")
+    project = adapted(root, "adamw", ADAMW_COSINE)
     without_batchnorm(project)
-    args = ["--epochs", "2", "--lr", "0.003", "--clip-grad-norm", "0.5"]
-    train(project, tmp_path / "a", 2, *args, "--batch-size", "8")
+    act_after_step(project)
+    train(project, root / "a", 2, *ADAMW, "--batch-size", "8")
+    return project, root / "a"
+
+
+@pytest.mark.xdist_group("workbench_adamw")
+def test_adamw_cosine_and_clipping_scale_with_workers_and_accumulation(tmp_path, adamw):
+    project, run_a = adamw
+    args = ADAMW
     train(project, tmp_path / "b", 1, *args, "--batch-size", "8", "--grad-accum", "2")
     train(project, tmp_path / "c", 1, *args, "--batch-size", "16")
-    a, b, c = (final(tmp_path / name) for name in "abc")
+    a, b, c = final(run_a), final(tmp_path / "b"), final(tmp_path / "c")
     assert max_difference(a, b) < 1e-5
     assert max_difference(a, c) < 1e-5
-    lrs = [float(row["lr"]) for row in metrics(tmp_path / "a")]
+    lrs = [float(row["lr"]) for row in metrics(run_a)]
     assert lrs[-1] == pytest.approx(0.0, abs=1e-9)  # the cosine ran to its end
     # The clipping bites: without it the same run ends elsewhere.
     train(project, tmp_path / "d", 2, *args[:-2], "--batch-size", "8")
@@ -361,7 +376,6 @@ def test_adamw_cosine_and_clipping_scale_with_workers_and_accumulation(tmp_path)
 
     # Stopped by SIGTERM in epoch 1 and resumed with the same arguments: AdamW's
     # moments and the cosine's position come back, and it ends like the run "a".
-    act_after_step(project)
     stop = {
         "TEST_ACT_AT": "0:0:1",
         "TEST_ACTION": "os.killpg(os.getpgrp(), signal.SIGTERM)",
@@ -391,13 +405,14 @@ def test_clipping_under_fp16_sees_the_true_gradients(tmp_path):
     assert max_difference(fp16, bf16) < 0.25 * moved
 
 
-def test_a_longer_run_resumes_on_the_longer_schedule(tmp_path):
+@pytest.mark.xdist_group("workbench_adamw")
+def test_a_longer_run_resumes_on_the_longer_schedule(tmp_path, adamw):
     """Resumed with more --epochs, a cosine is rebuilt for the new length (one line
     says so) instead of repeating the old one: from then on its LR is the LR of a
     4-epoch schedule, computed here from build_optimizer itself."""
-    project = adapted(tmp_path, "adamw", ADAMW_COSINE)
-    args = ["--lr", "0.003", "--batch-size", "8"]
-    train(project, tmp_path / "cut", 2, *args, "--epochs", "2")
+    project, two_epochs = adamw
+    shutil.copytree(two_epochs, tmp_path / "cut")
+    args = [*ADAMW[2:], "--batch-size", "8"]
     output = train(project, tmp_path / "cut", 2, *args, "--epochs", "4")
     line = (
         "resume: the LR schedule is rebuilt for --lr 0.003, 16 updates of 16 samples "
@@ -433,6 +448,7 @@ def as_tuples(tmp_path_factory):
     return root / "out"
 
 
+@pytest.mark.xdist_group("workbench_tuples")
 @pytest.mark.parametrize("source", [AS_LIST, AS_DICT], ids=["list", "dict"])
 def test_batches_as_lists_and_dicts_train_like_tuples(tmp_path, as_tuples, source):
     project = adapted(tmp_path, "other", source, save_strategy="final_only")
