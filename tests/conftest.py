@@ -284,3 +284,10 @@ def replace_user_functions(project, source):
         for name, node in sorted(ours.items(), key=lambda item: item[1].lineno)
     ]
     script.write_text("".join([*lines[: first - 1], *helpers, *block, *lines[last:]]))
+
+
+def pytest_xdist_auto_num_workers(config):
+    """-n auto: one test worker more than there are cores. A test spends part of its
+    time waiting (for a timeout, a Slurm scheduler, a process that sleeps), and the
+    extra worker's runs use the cores meanwhile."""
+    return (os.cpu_count() or 1) + 1

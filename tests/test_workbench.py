@@ -461,10 +461,21 @@ def test_batches_as_lists_and_dicts_train_like_tuples(tmp_path, as_tuples, sourc
 # -- resuming with other arguments ---------------------------------------------------------
 
 
-def test_a_resume_that_cannot_keep_the_global_batch_is_refused(tmp_path):
-    project = bake(tmp_path, launcher="spawn")
+@pytest.fixture(scope="module")
+def one_epoch(tmp_path_factory):
+    """The default project (spawn launcher) and the output of its first epoch on 2
+    workers x batch 8, from which the tests below resume (each in a copy)."""
+    root = tmp_path_factory.mktemp("one_epoch")
+    project = bake(root, launcher="spawn")
+    train(project, root / "out", 2, "--batch-size", "8", "--epochs", "1")
+    return project, root / "out"
+
+
+@pytest.mark.xdist_group("workbench_one_epoch")
+def test_a_resume_that_cannot_keep_the_global_batch_is_refused(tmp_path, one_epoch):
+    project, first = one_epoch
     out = tmp_path / "out"
-    train(project, out, 2, "--batch-size", "8", "--epochs", "1")
+    shutil.copytree(first, out)
     before = (out / "checkpoint_last.pt").read_bytes()
     output = train(project, out, 2, "--batch-size", "16", "--epochs", "2", expect=2)
     errors = [line for line in output.splitlines() if "error" in line.lower()]
@@ -488,12 +499,17 @@ def test_a_resume_that_cannot_keep_the_global_batch_is_refused(tmp_path):
     assert [row["lr"] for row in metrics(out)] == ["0.1", "0.05"]
 
 
-def test_a_resume_with_fp16_goes_on_and_one_after_a_new_optimizer_is_refused(tmp_path):
+@pytest.mark.xdist_group("workbench_one_epoch")
+def test_a_resume_with_fp16_goes_on_and_one_after_a_new_optimizer_is_refused(
+    tmp_path, one_epoch
+):
     """--amp fp16 from a checkpoint saved without it starts a fresh loss scaler;
     build_optimizer() changed (SGD -> AdamW) refuses in one line, writing nothing."""
-    project = bake(tmp_path)
+    original, first = one_epoch
+    project = tmp_path / original.name  # edited below
+    shutil.copytree(original, project)
     out = tmp_path / "out"
-    train(project, out, 2, "--batch-size", "8", "--epochs", "1")
+    shutil.copytree(first, out)
     output = train(
         project, out, 2, "--batch-size", "8", "--epochs", "2", "--amp", "fp16"
     )
