@@ -2641,7 +2641,8 @@ def launch(options, timeout, backend):
     # SIGINT to the handler above.
     command = [*shlex.split(options), "--signals-to-handle=SIGHUP,SIGQUIT"]
     command.append(f"--shutdown-timeout={math.ceil(timeout)}")
-    nproc = get_args_parser().parse_args([*command, __file__]).nproc_per_node
+    parsed = get_args_parser().parse_args([*command, __file__])
+    nproc = parsed.nproc_per_node
     problem = cuda_problem(backend, int(nproc) if nproc.isdigit() else 1)
     if problem:
         raise failure(problem)
@@ -2650,7 +2651,7 @@ def launch(options, timeout, backend):
     except SignalException:
         return 128 + stops[0]
     except (RendezvousError, dist.DistError) as err:
-        print(rendezvous_failed(err, endpoint(command)), file=sys.stderr, flush=True)
+        print(rendezvous_failed(err, endpoint(parsed)), file=sys.stderr, flush=True)
         return 1
     except ChildFailedError as error:
         rank, failed = min(error.failures.items(), key=lambda item: blame(item[1]))
@@ -2661,9 +2662,8 @@ def launch(options, timeout, backend):
     return 0
 
 
-def endpoint(command):
-    """host:port of the rendezvous that torchrun's options name."""
-    options = get_args_parser().parse_args([*command, __file__])
+def endpoint(options):
+    """host:port of the rendezvous that torchrun's (parsed) options name."""
     if options.standalone:  # torchrun picks a free local port
         return "localhost"
     return options.rdzv_endpoint or f"{options.master_addr}:{options.master_port}"
