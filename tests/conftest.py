@@ -3,7 +3,6 @@ import contextlib
 import csv
 import importlib.util
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -98,64 +97,8 @@ def run_jobs(commands, cwd, env=None, timeout=JOB_TIMEOUT):
     return list(zip(codes, outputs, strict=True))
 
 
-# torch 2.13 + gloo, intermittently (about 1 run in 150 here): in a process's exit
-# teardown, after the job has done its work (finished and saved, or stopped and saved),
-# a rank aborts with this message, or hangs there (it looks like pytorch#56297: a gloo
-# thread waiting for the GIL at exit). Such a job, and only such (the message, or a
-# timeout after the final weights were saved), is run again once, from its output
-# folder as it was before the first try: a resume must not find what that try wrote.
-TEARDOWN_ABORT = "terminate called without an active exception"
-
-
-def failed_in_teardown(code, output):
-    if TEARDOWN_ABORT in output:
-        return True
-    return not isinstance(code, int) and "model_final.pt" in output
-
-
-def output_dir(command, cwd):
-    """The --output-dir a run command names (else the scripts' default, outputs/)."""
-    for i, arg in enumerate(command):
-        if arg == "--output-dir" and i + 1 < len(command):
-            return Path(cwd) / command[i + 1]
-        if arg.startswith("--output-dir="):
-            return Path(cwd) / arg.partition("=")[2]
-    return Path(cwd) / "outputs"
-
-
-@contextlib.contextmanager
-def as_before(folders):
-    """Yields restore(), which puts each folder back as it was on entry (or removes
-    it, if it did not exist then)."""
-    with tempfile.TemporaryDirectory() as saved:
-        copies = {}
-        for n, folder in enumerate(folders):
-            if folder.exists():
-                copies[folder] = Path(saved) / str(n)
-                shutil.copytree(folder, copies[folder], symlinks=True)
-
-        def restore():
-            for folder in folders:
-                shutil.rmtree(folder, ignore_errors=True)
-                if folder in copies:
-                    shutil.copytree(copies[folder], folder, symlinks=True)
-
-        yield restore
-
-
-def run_jobs_retrying_teardown_abort(commands, cwd, env=None, timeout=JOB_TIMEOUT):
-    with as_before(sorted({output_dir(c, cwd) for c, _ in commands})) as restore:
-        results = run_jobs(commands, cwd, env, timeout)
-        if any(failed_in_teardown(code, output) for code, output in results):
-            restore()
-            results = run_jobs(commands, cwd, env, timeout)
-    return results
-
-
 def run_job(command, cwd, env=None, timeout=JOB_TIMEOUT):
-    return run_jobs_retrying_teardown_abort(
-        [(command, env or {})], cwd, timeout=timeout
-    )[0]
+    return run_jobs([(command, env or {})], cwd, timeout=timeout)[0]
 
 
 def run_single(project, out_dir, nproc, *args, env=None, expect=0):
@@ -247,6 +190,23 @@ USER_FUNCTIONS = (
     "compute_loss",
     "compute_metrics",
 )
+
+
+def nan_loss_on_rank_1(call):
+    """compute_loss for replace_user_functions: the default loss, except that rank 1's
+    call number `call` (from 1) returns NaN."""
+    return f"""
+CALLS = []
+
+
+def compute_loss(model, batch):
+    images, labels = batch
+    loss = F.cross_entropy(model(images), labels)
+    CALLS.append(1)
+    if dist.get_rank() == 1 and len(CALLS) == {call}:
+        loss = loss * float("nan")
+    return loss, len(labels)
+"""
 
 
 def replace_user_functions(project, source):

@@ -217,7 +217,7 @@ def test_a_crash_while_saving_keeps_the_previous_folder_and_a_nan_saves_nothing(
     )
     out = tmp_path / "out"
     command = ["./run_single.sh", *RUN, "--batch-size", "8", "--output-dir", str(out)]
-    code, output, _, left = watch(command, crash, {"NPROC_PER_NODE": "2"}, out)
+    code, output, _, left = watch(command, crash, {"NPROC_PER_NODE": "2"})
     assert code != 0 and left == [], output
     assert (out / "checkpoint_last.tmp" / ".metadata").exists()  # written, not kept
     assert load_weights(out / "checkpoint_last" / "train_state.pt")["epoch"] == 1

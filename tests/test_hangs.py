@@ -83,7 +83,7 @@ def hang(tmp_path, source, launcher="torchrun", args=ARGS, **answers):
     replace_user_functions(project, source)
     out = tmp_path / "out"
     command = ["./run_single.sh", *args, "--output-dir", str(out)]
-    code, output, seconds, left = watch(command, project, {"NPROC_PER_NODE": "2"}, out)
+    code, output, seconds, left = watch(command, project, {"NPROC_PER_NODE": "2"})
     assert code == 1, output
     assert seconds < LIMIT, output
     assert left == [], output

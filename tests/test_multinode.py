@@ -24,7 +24,6 @@ from conftest import (
     free_port,
     run_job,
     run_jobs,
-    run_jobs_retrying_teardown_abort,
 )
 
 LAUNCHERS = ["torchrun", "spawn"]
@@ -80,7 +79,7 @@ def two_hosts():
             subprocess.run(["ip", "netns", "delete", namespace], capture_output=True)
 
 
-def on_hosts(hosts, args, env_by_node, runner=run_jobs_retrying_teardown_abort, **kw):
+def on_hosts(hosts, args, env_by_node, **kw):
     """Run run_multi.sh on host 0 and host 1 at once, one process each (gloo on CPU)."""
     port = str(free_port())
     commands = []
@@ -89,7 +88,7 @@ def on_hosts(hosts, args, env_by_node, runner=run_jobs_retrying_teardown_abort, 
         env |= {"MASTER_ADDR": hosts[0][2], "MASTER_PORT": port, **env_by_node[rank]}
         command = ["ip", "netns", "exec", namespace, "./run_multi.sh", *args]
         commands.append((command, env))
-    return runner(commands, **kw)
+    return run_jobs(commands, **kw)
 
 
 @pytest.fixture(scope="module", params=LAUNCHERS)
@@ -159,7 +158,7 @@ def test_wrong_master_addr_fails_within_the_timeout(project, launcher, tmp_path)
     env = [{"DIST_TIMEOUT": "10"}, {"DIST_TIMEOUT": "10", "MASTER_ADDR": NOBODY}]
     start = time.monotonic()
     with two_hosts() as hosts:
-        results = on_hosts(hosts, args, env, runner=run_jobs, cwd=project, timeout=90)
+        results = on_hosts(hosts, args, env, cwd=project, timeout=90)
     seconds = time.monotonic() - start
     (code0, output0), (code1, output1) = results
     assert seconds < 60, (output0, output1)

@@ -15,6 +15,7 @@ from conftest import (
     bake,
     load_module,
     load_weights,
+    nan_loss_on_rank_1,
     replace_user_functions,
 )
 from test_faults import watch
@@ -25,7 +26,7 @@ LONG += ["--train-size", "512"]  # 2 processes: 32 steps an epoch
 
 def single(project, out_dir, args, **env):
     command = ["./run_single.sh", *args, "--output-dir", str(out_dir)]
-    return watch(command, project, {"NPROC_PER_NODE": "2", **env}, out_dir)
+    return watch(command, project, {"NPROC_PER_NODE": "2", **env})
 
 
 def all_finite(path):
@@ -38,19 +39,8 @@ def all_finite(path):
 
 # -- divergence --------------------------------------------------------------------------
 
-# The default loss, but on rank 1 its 45th call (epoch 2, batch 13) returns NaN.
-NAN_ON_RANK_1 = """
-CALLS = []
-
-
-def compute_loss(model, batch):
-    images, labels = batch
-    loss = F.cross_entropy(model(images), labels)
-    CALLS.append(1)
-    if dist.get_rank() == 1 and len(CALLS) == 45:
-        loss = loss * float("nan")
-    return loss, len(labels)
-"""
+# On rank 1 the loss's 45th call (epoch 2, batch 13) returns NaN.
+NAN_ON_RANK_1 = nan_loss_on_rank_1(45)
 
 
 def test_a_nan_loss_stops_the_run_and_names_the_step(tmp_path):
@@ -97,7 +87,7 @@ def test_a_huge_learning_rate_or_a_full_disk_keeps_the_last_good_checkpoint(tmp_
     # as on a full disk with ENOSPC. Epoch 2's row is written, then its save fails.
     limited = ["bash", "-c", 'ulimit -f 64 && exec ./run_single.sh "$@"', "bash"]
     command = [*limited, *LONG, "--output-dir", str(out)]
-    code, output, _, left = watch(command, project, {"NPROC_PER_NODE": "2"}, out)
+    code, output, _, left = watch(command, project, {"NPROC_PER_NODE": "2"})
     assert code == 1 and left == [], output
     errors = [line for line in output.splitlines() if "error" in line.lower()]
     last = out / "checkpoint_last.pt"

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import slurm_cluster
-from conftest import TEARDOWN_ABORT, TINY, bake, edit, free_port, run_job
+from conftest import TINY, bake, edit, free_port, run_job
 
 UNAVAILABLE = slurm_cluster.unavailable()
 pytestmark = [
@@ -64,33 +64,27 @@ def epochs_done(project):
 
 def run_slurm_job(cluster, project, args, preempt=False):
     """Submit run_slurm.sbatch with args, optionally SIGTERM it (as Slurm does before
-    a time limit) once epoch 1 is done, and wait for the end: (job, output). A job that
-    failed only through torch's rare gloo teardown abort (see conftest) is run again."""
-    for _ in range(2):
-        shutil.rmtree(project / "outputs", ignore_errors=True)
-        job_id = cluster.submit(
-            project / "run_slurm.sbatch",
-            *args,
-            options=OVERRIDES,
-            env={**ENV, "MASTER_PORT": str(free_port())},
-            cwd=project,
+    a time limit) once epoch 1 is done, and wait for the end: (job, output)."""
+    shutil.rmtree(project / "outputs", ignore_errors=True)
+    job_id = cluster.submit(
+        project / "run_slurm.sbatch",
+        *args,
+        options=OVERRIDES,
+        env={**ENV, "MASTER_PORT": str(free_port())},
+        cwd=project,
+    )
+    if preempt:
+        cluster.wait(
+            job_id,
+            until=lambda job: (
+                job["JobState"] in slurm_cluster.FINAL_STATES or epochs_done(project)
+            ),
+            interval=0.1,
         )
-        if preempt:
-            cluster.wait(
-                job_id,
-                until=lambda job: (
-                    job["JobState"] in slurm_cluster.FINAL_STATES
-                    or epochs_done(project)
-                ),
-                interval=0.1,
-            )
-            signal = ["scancel", "--signal=TERM", "--batch", str(job_id)]
-            cluster.client(*signal, check=False)  # the job may have failed already
-        job = cluster.wait(job_id)
-        output = Path(job["StdOut"]).read_text()
-        if job["JobState"] == "COMPLETED" or TEARDOWN_ABORT not in output:
-            break
-    return job, output
+        signal = ["scancel", "--signal=TERM", "--batch", str(job_id)]
+        cluster.client(*signal, check=False)  # the job may have failed already
+    job = cluster.wait(job_id)
+    return job, Path(job["StdOut"]).read_text()
 
 
 # These two and the preemption test's two run each of the four launch commands.

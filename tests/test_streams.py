@@ -188,7 +188,7 @@ def test_every_item_of_a_pass_is_used_once_and_an_uneven_end_does_not_hang(tmp_p
     out = tmp_path / "out"
     args = ["--max-steps", "5", "--batch-size", "4", "--num-workers", "2"]
     command = ["./run_single.sh", *args, "--output-dir", str(out)]
-    code, output, seconds, left = watch(command, project, {"NPROC_PER_NODE": "2"}, out)
+    code, output, seconds, left = watch(command, project, {"NPROC_PER_NODE": "2"})
     assert code == 0 and left == [] and seconds < 60, output
     moved = sorted((-final(out)["weight"]).tolist())
     assert moved == pytest.approx([1 / 8] * 32 + [1.0], abs=1e-6)
@@ -262,7 +262,7 @@ def test_a_stream_killed_without_warning_resumes_from_its_last_save(tmp_path, st
     command = ["./run_single.sh", *args, "--output-dir", str(out)]
     # After the save at update 4, rank 1 killed at update 5 (pass 2, its 2nd step).
     kill = {"NPROC_PER_NODE": "2", "TEST_ACT_AT": "1:1:1", "TEST_ACTION": KILL}
-    code, output, _, left = watch(command, project, {**kill, **env}, out)
+    code, output, _, left = watch(command, project, {**kill, **env})
     assert code == 1 and left == [], output
     assert "error: rank 1 died (SIGKILL)" in output
     output = run_single(project, out, 2, *args, env=env)
@@ -296,7 +296,7 @@ def test_a_map_style_run_killed_without_warning_resumes_from_its_last_save(tmp_p
     command = ["./run_single.sh", *args, "--output-dir", str(out)]
     # Rank 1 killed after update 5 (pass 2, its 1st step).
     kill = {"NPROC_PER_NODE": "2", "TEST_ACT_AT": "1:1:0", "TEST_ACTION": KILL}
-    code, output, _, left = watch(command, project, kill, out)
+    code, output, _, left = watch(command, project, kill)
     assert code == 1 and left == [], output
     assert "error: rank 1 died (SIGKILL)" in output
     output = run_single(project, out, 2, *args)

@@ -253,8 +253,8 @@ AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 def run(args):
     """One process's life: join the group, train (or check), always leave the group.
 
-    Returns the exit status: 0, 1 when another rank was lost, or 128 + the signal
-    that stopped training.
+    Returns the exit status: 0; 1 when another rank was lost; 1 or 2 after a clear
+    error line (failure()); or 128 + the signal that stopped training.
     """
     keep_freed_memory()  # before any tensor, and so before any DataLoader worker
     spare_the_garbage_collector()
@@ -282,6 +282,8 @@ def run(args):
             WATCH.thread.join()
         report_lost_peer(err)
         status = 1
+    except SystemExit as stop:  # failure(): rank 0 has said why
+        status = stop.code
     finally:
         WATCH.stop()
         stop_loader_workers()
@@ -2206,6 +2208,26 @@ def on_stop_signal(signum, frame):
         stop_now(128 + signum)
 
 
+def leave(status):
+    """End this worker process with `status` as a normal exit would (threads that are
+    not daemons waited for, atexit handlers run: logging's flush, a user's), but
+    without the interpreter's teardown.
+
+    A gloo thread may still hold the last collective's tensors, and letting go of one
+    that Python has dropped takes the GIL. CPython ends a thread that waits for the
+    GIL while the interpreter tears down, and ending a C++ thread that way aborts the
+    process ("terminate called without an active exception"): now and then, a rank
+    died by SIGABRT after a run that had finished and saved.
+    """
+    for thread in threading.enumerate():
+        if not thread.daemon and thread is not threading.current_thread():
+            thread.join()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 def stop_now(status):
     """Exit at once (from any thread), with this process's DataLoader workers."""
     for child in multiprocessing.active_children():
@@ -2535,7 +2557,7 @@ def worker(local_rank, args, master_port):
         # each would import this script again; DataLoader workers fork as usual on
         # Linux instead: quick to start, with this process's signal handlers.
         multiprocessing.set_start_method("fork", force=True)
-    sys.exit(run(args))
+    leave(run(args))
 
 
 # torch's log line for each worker it stops after another one failed.
@@ -2690,5 +2712,5 @@ if __name__ == "__main__":
     args = parse_args()
     if args.torchrun and "RANK" not in os.environ:
         sys.exit(launch(args.torchrun, args.dist_timeout, args.backend))
-    sys.exit(run(args))
+    leave(run(args))
 {% endif %}
