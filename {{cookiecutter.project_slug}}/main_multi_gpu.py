@@ -2219,9 +2219,9 @@ def leave(status):
     process ("terminate called without an active exception"): now and then, a rank
     died by SIGABRT after a run that had finished and saved.
     """
-    for thread in threading.enumerate():
-        if not thread.daemon and thread is not threading.current_thread():
-            thread.join()
+    # What Python's own exit does before the teardown: stop the executors' threads,
+    # wait for the threads that are not daemons, run the atexit handlers.
+    threading._shutdown()
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
