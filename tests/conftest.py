@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -56,12 +57,46 @@ def free_port():
         return sock.getsockname()[1]
 
 
+# Every job's processes carry a mark of their own in their environment, which their
+# children inherit: torchrun starts each worker in a session of its own, so killing the
+# launcher's process group leaves them running, and its end leaves them orphans.
+JOB_MARK = "TEST_JOB_MARK"
+
+
+def new_mark():
+    """The environment variable that marks one job's processes."""
+    return {JOB_MARK: uuid.uuid4().hex}
+
+
+def marked(mark):
+    """The live processes (zombies excluded) whose environment carries `mark`."""
+    [(name, value)] = mark.items()
+    needle = f"{name}={value}".encode()
+    pids = []
+    for process in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError):
+            state = (process / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            if state != "Z" and needle in (process / "environ").read_bytes().split(
+                b"\0"
+            ):
+                pids.append(int(process.name))
+    return pids
+
+
+def kill_marked(mark):
+    for pid in marked(mark):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def run_jobs(commands, cwd, env=None, timeout=JOB_TIMEOUT):
     """Start every (command, extra_env) at once, like launches on several machines, wait
     for all, and return [(returncode, output)] (returncode a message on timeout, so the
-    test fails showing the output). Each runs in its own process group,
-    killed whole afterwards (and on timeout), so no worker outlives the test."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    test fails showing the output). Each runs in its own process group, killed whole
+    afterwards (and on timeout), with every process that carries the jobs' mark, so no
+    worker outlives the test."""
+    mark = new_mark()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {}), **mark}
     procs = []
     with contextlib.ExitStack() as stack:
         logs = [stack.enter_context(tempfile.TemporaryFile("w+")) for _ in commands]
@@ -90,6 +125,7 @@ def run_jobs(commands, cwd, env=None, timeout=JOB_TIMEOUT):
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+            kill_marked(mark)
         outputs = []
         for log in logs:
             log.seek(0)

@@ -19,9 +19,12 @@ from conftest import (
     bake,
     edit,
     free_port,
+    kill_marked,
     load_weights,
+    marked,
     max_difference,
     nan_loss_on_rank_1,
+    new_mark,
     replace_user_functions,
     run_job,
 )
@@ -45,13 +48,15 @@ def live_members(group):
 
 def watch(command, project, env, timeout=90):
     """Run a job in its own process group. Returns (exit code, output, seconds until
-    the launcher exited, processes of the job still alive 5 s after that)."""
+    the launcher exited, processes of the job still alive 5 s after that: of its
+    process group, or with its mark, as torchrun's workers in their own sessions)."""
+    mark = new_mark()
     with tempfile.TemporaryFile("w+") as log:
         start = time.monotonic()
         proc = subprocess.Popen(
             command,
             cwd=project,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **env, **mark},
             stdout=log,
             stderr=subprocess.STDOUT,
             text=True,
@@ -60,14 +65,19 @@ def watch(command, project, env, timeout=90):
         try:
             code = proc.wait(timeout=timeout)
             seconds = time.monotonic() - start
+
+            def job_left():
+                return sorted(set(live_members(proc.pid)) | set(marked(mark)))
+
             deadline = time.monotonic() + 5
-            while live_members(proc.pid) and time.monotonic() < deadline:
+            while job_left() and time.monotonic() < deadline:
                 time.sleep(0.2)
-            left = live_members(proc.pid)
+            left = job_left()
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+            kill_marked(mark)
         log.seek(0)
         return code, log.read(), seconds, left
 
