@@ -68,18 +68,30 @@ def new_mark():
     return {JOB_MARK: uuid.uuid4().hex}
 
 
+def live_processes():
+    """(pid, its /proc folder, the fields of its stat after the name) for every live
+    process, zombies excluded."""
+    for process in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError):
+            fields = (process / "stat").read_text().rsplit(")", 1)[1].split()
+            if fields[0] != "Z":
+                yield int(process.name), process, fields
+
+
+def live_members(group):
+    """Processes of a process group that are still running."""
+    return [pid for pid, _, fields in live_processes() if int(fields[2]) == group]
+
+
 def marked(mark):
-    """The live processes (zombies excluded) whose environment carries `mark`."""
+    """The live processes whose environment carries `mark`."""
     [(name, value)] = mark.items()
     needle = f"{name}={value}".encode()
     pids = []
-    for process in Path("/proc").glob("[0-9]*"):
+    for pid, process, _ in live_processes():
         with contextlib.suppress(OSError):
-            state = (process / "stat").read_text().rsplit(")", 1)[1].split()[0]
-            if state != "Z" and needle in (process / "environ").read_bytes().split(
-                b"\0"
-            ):
-                pids.append(int(process.name))
+            if needle in (process / "environ").read_bytes().split(b"\0"):
+                pids.append(pid)
     return pids
 
 

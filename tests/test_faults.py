@@ -10,7 +10,6 @@ import socket
 import subprocess
 import tempfile
 import time
-from pathlib import Path
 
 import pytest
 
@@ -20,6 +19,7 @@ from conftest import (
     edit,
     free_port,
     kill_marked,
+    live_members,
     load_weights,
     marked,
     max_difference,
@@ -33,17 +33,6 @@ ARGS = ["--epochs", "3", "--batch-size", "8", "--num-workers", "0", "--val-size"
 SHORT = [*ARGS, "--train-size", "64"]  # 4 steps per epoch and rank
 LONG = [*ARGS, "--train-size", "512"]  # 32 steps an epoch: checks at updates 20, 40
 KILL = "os.kill(os.getpid(), signal.SIGKILL)"
-
-
-def live_members(group):
-    """Processes of a process group that are still running (zombies excluded)."""
-    alive = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[2]) == group and fields[0] != "Z":
-                alive.append(int(stat.parent.name))
-    return alive
 
 
 def watch(command, project, env, timeout=90):

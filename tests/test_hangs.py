@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from conftest import TINY, bake, free_port, replace_user_functions
-from test_faults import live_members, watch
+from conftest import TINY, bake, free_port, live_members, replace_user_functions
+from test_faults import watch
 
 TIMEOUT = 5  # --dist-timeout, seconds without progress
 # Start-up (imports, rendezvous, DDP) and two steps, then the timeout, then the
