@@ -64,6 +64,14 @@ def reference(projects, tmp_path_factory):
     return result
 
 
+@pytest.fixture(scope="module")
+def one_epoch_on_two(projects, tmp_path_factory):
+    """The output of SHORT's first epoch on 2 processes, to resume from (in a copy)."""
+    out = tmp_path_factory.mktemp("one_epoch") / "out"
+    run_single(projects["torchrun"], out, 2, *SHORT[:1], "1", *SHORT[2:])
+    return out
+
+
 def val_losses(out_dir):
     return [float(row["val_loss"]) for row in metrics(out_dir)]
 
@@ -84,9 +92,11 @@ KEPT_1_TO_2 = (
 )
 
 
-def test_two_processes_then_one_at_an_epoch_boundary(projects, reference, tmp_path):
+def test_two_processes_then_one_at_an_epoch_boundary(
+    projects, reference, one_epoch_on_two, tmp_path
+):
     out = tmp_path / "out"
-    run_single(projects["torchrun"], out, 2, *SHORT[:1], "1", *SHORT[2:])
+    shutil.copytree(one_epoch_on_two, out)
     output = run_single(projects["torchrun"], out, 1, *SHORT)
     assert output.count(KEPT_2_TO_1) == 1, output
     assert "after epoch 1" in output
@@ -147,9 +157,9 @@ def test_three_processes_take_a_global_batch_they_divide(projects, reference, tm
     assert_same_end(out, reference(2, args))
 
 
-def test_three_processes_cannot_split_sixteen(projects, tmp_path):
+def test_three_processes_cannot_split_sixteen(projects, one_epoch_on_two, tmp_path):
     out = tmp_path / "out"
-    run_single(projects["spawn"], out, 2, *SHORT[:1], "1", *SHORT[2:])
+    shutil.copytree(one_epoch_on_two, out)
     kept = out / "kept.pt"
     shutil.copy(out / "checkpoint_last.pt", kept)
     output = run_single(projects["spawn"], out, 3, *SHORT, expect=2)
