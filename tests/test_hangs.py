@@ -75,6 +75,20 @@ def build_datasets(args):
     return Stalling(train), val
 """
 
+STUCK_AS_IT_STARTS = """
+def build_datasets(args):
+    \"\"\"Rank 1's DataLoader worker hangs as it starts, before a line of its own, as
+    a fork can in Python before 3.12 (CPython gh-112275).\"\"\"
+    if os.environ["RANK"] == "1":
+        os.register_at_fork(after_in_child=lambda: time.sleep(1000))
+    generator = torch.Generator().manual_seed(args.seed)
+    images = torch.randn(args.train_size + args.val_size, 3, 16, 16, generator=generator)
+    labels = torch.randint(NUM_CLASSES, (len(images),), generator=generator)
+    train = TensorDataset(images[: args.train_size], labels[: args.train_size])
+    val = TensorDataset(images[args.train_size :], labels[args.train_size :])
+    return train, val
+"""
+
 HEADLINE = f"hang: no progress for {TIMEOUT} s (--dist-timeout); where each rank stood:"
 
 
@@ -167,6 +181,21 @@ def test_a_rank_with_a_stuck_dataloader_worker(tmp_path):
     worker = output.partition("[rank 1] DataLoader worker ")[2]
     assert re.search(r"line \d+ in __getitem__", worker), output
     assert "[rank 0] DataLoader worker" not in output  # rank 0 waits on rank 1
+
+
+def test_a_dataloader_worker_stuck_as_it_starts_is_named_and_not_signalled(tmp_path):
+    """A worker without its SIGUSR1 handler yet would die of the signal that asks
+    for its stack (and its rank would fail in a traceback): it is named instead."""
+    args = [*ARGS, "--num-workers", "1"]
+    output = hang(tmp_path, STUCK_AS_IT_STARTS, args=args, save_strategy="final_only")
+    _, rank1, _ = summary(output)
+    assert rank1.endswith("(waits for its DataLoader workers)"), output
+    workers = [x for x in output.splitlines() if "] DataLoader worker" in x]
+    assert len(workers) == 1, output
+    assert re.fullmatch(
+        r"\[rank 1\] DataLoader worker \d+: stuck before its first line \(no stack\)",
+        workers[0],
+    ), output
 
 
 def test_a_hang_across_two_nodes(tmp_path):

@@ -2472,10 +2472,30 @@ def print_stacks(rank, main_traceback=None, loader_workers=False):
     sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in lines))
     sys.stderr.flush()
     for child in multiprocessing.active_children() if loader_workers else ():
+        if not handles(child.pid, signal.SIGUSR1):  # the signal would end it
+            print(
+                f"[rank {rank}] DataLoader worker {child.pid}: stuck before its first "
+                "line (no stack)",
+                file=sys.stderr,
+            )
+            continue
         print(f"[rank {rank}] DataLoader worker {child.pid}:", file=sys.stderr)
         sys.stderr.flush()
-        os.kill(child.pid, signal.SIGUSR1)  # faulthandler prints its stack
+        with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+            os.kill(child.pid, signal.SIGUSR1)  # faulthandler prints its stack
         time.sleep(0.5)  # before the next one, and before they are stopped
+
+
+def handles(pid, signum):
+    """Whether process pid has a handler for signum, as Linux tells (elsewhere:
+    assumed). A DataLoader worker gets its own in loader_worker_init()."""
+    if sys.platform != "linux":
+        return True
+    with contextlib.suppress(OSError):  # gone
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    return False
 
 
 def lost_peer(err):
