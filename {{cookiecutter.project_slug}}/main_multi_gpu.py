@@ -2472,14 +2472,11 @@ def print_stacks(rank, main_traceback=None, loader_workers=False):
     sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in lines))
     sys.stderr.flush()
     for child in multiprocessing.active_children() if loader_workers else ():
+        head = f"[rank {rank}] DataLoader worker {child.pid}:"
         if not handles(child.pid, signal.SIGUSR1):  # the signal would end it
-            print(
-                f"[rank {rank}] DataLoader worker {child.pid}: stuck before its first "
-                "line (no stack)",
-                file=sys.stderr,
-            )
+            print(head, "stuck before its first line (no stack)", file=sys.stderr)
             continue
-        print(f"[rank {rank}] DataLoader worker {child.pid}:", file=sys.stderr)
+        print(head, file=sys.stderr)
         sys.stderr.flush()
         with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
             os.kill(child.pid, signal.SIGUSR1)  # faulthandler prints its stack
