@@ -49,7 +49,17 @@ def compute_loss(model, batch):
     return F.cross_entropy(model(images), labels), len(labels)
 """
 
-STUCK_DATALOADER_WORKER = """
+# The first lines of build_datasets in the two sources below: random images, split into
+# two TensorDatasets, train and val.
+MAKE_DATA = """\
+    generator = torch.Generator().manual_seed(args.seed)
+    images = torch.randn(args.train_size + args.val_size, 3, 16, 16, generator=generator)
+    labels = torch.randint(NUM_CLASSES, (len(images),), generator=generator)
+    train = TensorDataset(images[: args.train_size], labels[: args.train_size])
+    val = TensorDataset(images[args.train_size :], labels[args.train_size :])
+"""
+
+STUCK_DATALOADER_WORKER = f"""
 class Stalling(torch.utils.data.Dataset):
     \"\"\"Rank 1's DataLoader worker gets stuck on its 20th item (its third batch).\"\"\"
 
@@ -67,26 +77,16 @@ class Stalling(torch.utils.data.Dataset):
 
 
 def build_datasets(args):
-    generator = torch.Generator().manual_seed(args.seed)
-    images = torch.randn(args.train_size + args.val_size, 3, 16, 16, generator=generator)
-    labels = torch.randint(NUM_CLASSES, (len(images),), generator=generator)
-    train = TensorDataset(images[: args.train_size], labels[: args.train_size])
-    val = TensorDataset(images[args.train_size :], labels[args.train_size :])
-    return Stalling(train), val
+{MAKE_DATA}    return Stalling(train), val
 """
 
-STUCK_AS_IT_STARTS = """
+STUCK_AS_IT_STARTS = f"""
 def build_datasets(args):
     \"\"\"Rank 1's DataLoader worker hangs as it starts, before a line of its own, as
     a fork can in Python before 3.12 (CPython gh-112275).\"\"\"
     if os.environ["RANK"] == "1":
         os.register_at_fork(after_in_child=lambda: time.sleep(1000))
-    generator = torch.Generator().manual_seed(args.seed)
-    images = torch.randn(args.train_size + args.val_size, 3, 16, 16, generator=generator)
-    labels = torch.randint(NUM_CLASSES, (len(images),), generator=generator)
-    train = TensorDataset(images[: args.train_size], labels[: args.train_size])
-    val = TensorDataset(images[args.train_size :], labels[args.train_size :])
-    return train, val
+{MAKE_DATA}    return train, val
 """
 
 HEADLINE = f"hang: no progress for {TIMEOUT} s (--dist-timeout); where each rank stood:"
