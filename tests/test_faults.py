@@ -1,10 +1,12 @@
 """Failures: a dead worker stops the job (or torchrun restarts it), a kill while saving
-keeps the previous checkpoint, SIGTERM saves and resumes exactly, a missing peer or a
-busy port is one clear line, a worker's end never aborts it. Every job runs in its own process group; each test also
-checks that nothing of the job is left running once the launcher has exited."""
+keeps the previous checkpoint, SIGTERM saves and resumes exactly (so does a kill -9 of
+the launcher), a missing peer or a busy port is one clear line, a worker's end never
+aborts it. Every job runs in its own process group; each test also checks that
+nothing of the job is left running once the launcher has exited."""
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -215,6 +217,39 @@ def test_sigterm_saves_then_resume_ends_the_same(
     assert max_difference(final, reference(LONG)) < 1e-5
     with (out_dir / "metrics.csv").open() as f:
         assert [line.split(",")[0] for line in f][1:] == ["1", "2", "3"]
+
+
+# -- (d2) a launcher killed outright: its workers save and stop -------------------------
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
+@pytest.mark.xdist_group("faults_reference")
+def test_a_killed_launcher_leaves_no_worker_training(tmp_path, reference, launcher):
+    """kill -9 of the launcher alone (the out-of-memory killer, a careless kill): the
+    kernel sends each worker SIGTERM, so they save and stop instead of training on
+    as orphans (torchrun's) or, now and then, stopping unsaved (spawn's: a second
+    SIGINT reads as a second Ctrl-C). The same command again ends as if nothing had
+    happened."""
+    project = bake(tmp_path, launcher=launcher, save_strategy="last")
+    act_after_step(project)
+    action = "os.kill(os.getppid(), signal.SIGKILL)"  # rank 0's parent: the launcher
+    out_dir = tmp_path / "out"
+    command, env = single(out_dir, LONG, TEST_ACT_AT="0:1:5", TEST_ACTION=action)
+    code, output, _, left = watch(command, project, env)
+    assert code == -signal.SIGKILL and left == [], output
+    last = out_dir / "checkpoint_last.pt"
+    # The next check after the signal: in epoch 2, or at its end.
+    said = rf"^the launcher is gone: saved {re.escape(str(last))} (.+); run again"
+    where = re.findall(said, output, re.MULTILINE)
+    assert len(where) == 1 and "Traceback" not in output, output
+    assert re.fullmatch(r"in epoch 2 after \d+ batches|after epoch 2", where[0])
+
+    command, env = single(out_dir, LONG)
+    code, output = run_job(command, project, env)
+    assert code == 0, output
+    assert f"resumed from {last} {where[0]}" in output
+    final = load_weights(out_dir / "model_final.pt")
+    assert max_difference(final, reference(LONG)) < 1e-5
 
 
 # -- (e) a peer that never arrives -------------------------------------------------------

@@ -259,6 +259,10 @@ def run(args):
     keep_freed_memory()  # before any tensor, and so before any DataLoader worker
     spare_the_garbage_collector()
     faulthandler.enable()  # a crash in C code (an abort) still shows the Python stack
+{% if not spawn %}
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun
+        end_with_the_launcher()
+{% endif %}
     device, store = setup_distributed(args.backend, args.dist_timeout)
     # From here on, SIGTERM and Ctrl-C stop training at the next check, with a save.
     # (Before, SIGTERM ends the process at once; the rendezvous waits in C++, where a
@@ -1088,6 +1092,8 @@ def stopped(last_path, at, batch_size):
     # The signal this rank got; a rank stopped by another's signal reports SIGTERM.
     signum = STOP_SIGNAL or signal.SIGTERM
     word = "interrupted" if signum == signal.SIGINT else "preempted"
+    if os.getppid() != LAUNCHER_PID:  # it was killed: the kernel sent the signal
+        word = "the launcher is gone"
     print0(
         f"{word}: saved {last_path} {where(at, batch_size)}; run again to resume "
         "(--resume auto)"
@@ -2187,6 +2193,7 @@ def add_running_arguments(parser):
 # --------------------------------------------------------------------------------------
 COLLECTIVE_GRACE = 30  # seconds a collective may wait beyond --dist-timeout
 STOP_SIGNAL = None  # the first SIGTERM or SIGINT received: stop, save, exit 128 + it
+LAUNCHER_PID = os.getppid()  # in a worker: torchrun's, or the process that spawned it
 
 
 def failure(message, status=1):
@@ -2226,6 +2233,20 @@ def leave(status):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
+
+
+def end_with_the_launcher():
+    """A worker whose launcher is killed (kill -9, the out-of-memory killer) saves
+    and stops as after any SIGTERM: on Linux the kernel now sends it SIGTERM.
+{% if spawn %}
+    (torch's spawn asks for SIGINT, which comes twice when the launcher has threads,
+    and a second SIGINT is a second Ctrl-C: stop at once, saving nothing.)"""
+{% else %}
+    (torchrun starts each worker in a session of its own and leaves it running: it
+    would train on alone, holding its GPU.)"""
+{% endif %}
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def stop_now(status):
@@ -2342,6 +2363,12 @@ class HangWatch:
         faulthandler.cancel_dump_traceback_later()
 
     def watch(self):
+        try:
+            self.poll()
+        except dist.DistError:  # the store went with its host (rank 0, a launcher),
+            faulthandler.cancel_dump_traceback_later()  # which ends this rank too
+
+    def poll(self):
         last, since = None, time.monotonic()
         while not self.done.wait(1.0):
             # If this thread cannot run (a C call holding the GIL), faulthandler
@@ -2569,6 +2596,7 @@ def worker(local_rank, args, master_port):
     # Share the CPU cores between processes instead of oversubscribing them.
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.nproc_per_node))
+    end_with_the_launcher()
     if sys.platform == "linux":
         # This process was started by spawn, so by default its children are too, and
         # each would import this script again; DataLoader workers fork as usual on
