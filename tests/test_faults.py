@@ -239,7 +239,7 @@ def test_a_killed_launcher_leaves_no_worker_training(tmp_path, reference, launch
     assert code == -signal.SIGKILL and left == [], output
     last = out_dir / "checkpoint_last.pt"
     # The next check after the signal: in epoch 2, or at its end.
-    said = rf"^the launcher is gone: saved {re.escape(str(last))} (.+); run again"
+    said = rf"^preempted: saved {re.escape(str(last))} (.+); run again"
     where = re.findall(said, output, re.MULTILINE)
     assert len(where) == 1 and "Traceback" not in output, output
     assert re.fullmatch(r"in epoch 2 after \d+ batches|after epoch 2", where[0])

@@ -1092,8 +1092,6 @@ def stopped(last_path, at, batch_size):
     # The signal this rank got; a rank stopped by another's signal reports SIGTERM.
     signum = STOP_SIGNAL or signal.SIGTERM
     word = "interrupted" if signum == signal.SIGINT else "preempted"
-    if os.getppid() != LAUNCHER_PID:  # it was killed: the kernel sent the signal
-        word = "the launcher is gone"
     print0(
         f"{word}: saved {last_path} {where(at, batch_size)}; run again to resume "
         "(--resume auto)"
@@ -2193,7 +2191,6 @@ def add_running_arguments(parser):
 # --------------------------------------------------------------------------------------
 COLLECTIVE_GRACE = 30  # seconds a collective may wait beyond --dist-timeout
 STOP_SIGNAL = None  # the first SIGTERM or SIGINT received: stop, save, exit 128 + it
-LAUNCHER_PID = os.getppid()  # in a worker: torchrun's, or the process that spawned it
 
 
 def failure(message, status=1):
