@@ -260,8 +260,11 @@ def run(args):
     spare_the_garbage_collector()
     faulthandler.enable()  # a crash in C code (an abort) still shows the Python stack
 {% if not spawn %}
-    if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun
-        end_with_the_launcher()
+    # A torchrun worker runs in a session of its own: were torchrun killed (kill -9,
+    # out of memory), it would train on alone, holding its GPU. It gets SIGTERM
+    # instead, so it saves and stops.
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        signal_when_parent_ends(signal.SIGTERM)
 {% endif %}
     device, store = setup_distributed(args.backend, args.dist_timeout)
     # From here on, SIGTERM and Ctrl-C stop training at the next check, with a save.
@@ -949,8 +952,14 @@ def loader_worker_init(worker_id):
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, signal.SIG_IGN)
     faulthandler.register(signal.SIGUSR1, all_threads=False)  # for the hang watch
+    signal_when_parent_ends(signal.SIGKILL)
+
+
+def signal_when_parent_ends(signum):
+    """Linux: the kernel sends this process `signum` when the process that started
+    it ends, however it ends (kill -9 too)."""
     if sys.platform == "linux":
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        ctypes.CDLL(None).prctl(1, signum)  # PR_SET_PDEATHSIG
 
 
 def to_device(batch, device):
@@ -2232,20 +2241,6 @@ def leave(status):
     os._exit(status)
 
 
-def end_with_the_launcher():
-    """A worker whose launcher is killed (kill -9, the out-of-memory killer) saves
-    and stops as after any SIGTERM: on Linux the kernel now sends it SIGTERM.
-{% if spawn %}
-    (torch's spawn asks for SIGINT, which comes twice when the launcher has threads,
-    and a second SIGINT is a second Ctrl-C: stop at once, saving nothing.)"""
-{% else %}
-    (torchrun starts each worker in a session of its own and leaves it running: it
-    would train on alone, holding its GPU.)"""
-{% endif %}
-    if sys.platform == "linux":
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 def stop_now(status):
     """Exit at once (from any thread), with this process's DataLoader workers."""
     for child in multiprocessing.active_children():
@@ -2593,7 +2588,10 @@ def worker(local_rank, args, master_port):
     # Share the CPU cores between processes instead of oversubscribing them.
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.nproc_per_node))
-    end_with_the_launcher()
+    # Were the launcher killed (kill -9, out of memory), torch's spawn would send
+    # SIGINT, once per launcher thread, and a second SIGINT is a second Ctrl-C (stop
+    # at once, saving nothing). SIGTERM instead: this rank saves and stops.
+    signal_when_parent_ends(signal.SIGTERM)
     if sys.platform == "linux":
         # This process was started by spawn, so by default its children are too, and
         # each would import this script again; DataLoader workers fork as usual on
