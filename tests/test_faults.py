@@ -209,14 +209,22 @@ def test_sigterm_saves_then_resume_ends_the_same(
     assert (checkpoint["epoch"], checkpoint["epoch_samples"]) == (1, 8 * 2 * 8)
     assert checkpoint["step"] == 40
 
+    resume_ends_as_never_stopped(
+        project, out_dir, reference, "in epoch 2 after 8 batches"
+    )
+    with (out_dir / "metrics.csv").open() as f:
+        assert [line.split(",")[0] for line in f][1:] == ["1", "2", "3"]
+
+
+def resume_ends_as_never_stopped(project, out_dir, reference, where):
+    """The LONG run's command again: it resumes from checkpoint_last.pt `where` ("in
+    epoch 2 after 8 batches") and ends with the weights of a run never stopped."""
     command, env = single(out_dir, LONG)
     code, output = run_job(command, project, env)
     assert code == 0, output
-    assert f"resumed from {last} in epoch 2 after 8 batches" in output
+    assert f"resumed from {out_dir / 'checkpoint_last.pt'} {where}" in output
     final = load_weights(out_dir / "model_final.pt")
     assert max_difference(final, reference(LONG)) < 1e-5
-    with (out_dir / "metrics.csv").open() as f:
-        assert [line.split(",")[0] for line in f][1:] == ["1", "2", "3"]
 
 
 # -- (d2) a launcher killed outright: its workers save and stop -------------------------
@@ -243,13 +251,7 @@ def test_a_killed_launcher_leaves_no_worker_training(tmp_path, reference, launch
     where = re.findall(said, output, re.MULTILINE)
     assert len(where) == 1 and "Traceback" not in output, output
     assert re.fullmatch(r"in epoch 2 after \d+ batches|after epoch 2", where[0])
-
-    command, env = single(out_dir, LONG)
-    code, output = run_job(command, project, env)
-    assert code == 0, output
-    assert f"resumed from {last} {where[0]}" in output
-    final = load_weights(out_dir / "model_final.pt")
-    assert max_difference(final, reference(LONG)) < 1e-5
+    resume_ends_as_never_stopped(project, out_dir, reference, where[0])
 
 
 # -- (e) a peer that never arrives -------------------------------------------------------
