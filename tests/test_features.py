@@ -18,6 +18,7 @@ from conftest import (
     HERE,
     TINY,
     UPDATE,
+    WITH_MATPLOTLIB,
     bake,
     edit,
     load_weights,
@@ -126,7 +127,7 @@ def test_time_breakdown_profile_plot_and_tensorboard(tmp_path):
     edit(project, old, f"    time.sleep({SAVE_S})\n{old}")
     out_dir = tmp_path / "out"
     args = [*TINY, "--profile-steps", "3", "--tensorboard", "--save-every", "1"]
-    output = train(project, out_dir, *args)
+    output = train(project, out_dir, *args, env=WITH_MATPLOTLIB)
 
     # Epoch 1's row comes before its end-of-epoch save: 3 saves; epoch 2's, 4.
     for row, saves in zip(metrics(out_dir), (3, 4), strict=True):

@@ -95,7 +95,6 @@ def test_two_ranks_equal_one_with_twice_the_batch_and_ddp(reference, tmp_path):
     assert load_weights(folder / "train_state.pt")["epoch"] == 2
     assert sorted(path.name for path in two.iterdir()) == [
         "checkpoint_last",
-        "loss.png",
         "metrics.csv",
         "model_final.pt",
     ]
