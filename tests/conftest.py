@@ -111,48 +111,56 @@ def kill_marked(mark):
             os.kill(pid, signal.SIGKILL)
 
 
-def run_jobs(commands, cwd, env=None, timeout=JOB_TIMEOUT):
-    """Start every (command, extra_env) at once, like launches on several machines, wait
-    for all, and return [(returncode, output)] (returncode a message on timeout, so the
-    test fails showing the output). Each runs in its own process group, killed whole
-    afterwards (and on timeout), with every process that carries the jobs' mark, so no
-    worker outlives the test."""
+@contextlib.contextmanager
+def started(commands, cwd, env=None):
+    """Start every (command, extra_env) at once, like launches on several machines, each
+    in a process group of its own with its output in a temporary file; yield the jobs'
+    mark and their Popen objects. On leaving, every group is killed whole, with every
+    process that carries the mark (torchrun's workers, in sessions of their own), so no
+    worker outlives the test; then each Popen's `output` is what that job printed."""
     mark = new_mark()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {}), **mark}
     procs = []
     with contextlib.ExitStack() as stack:
-        logs = [stack.enter_context(tempfile.TemporaryFile("w+")) for _ in commands]
         try:
-            for (command, extra), log in zip(commands, logs, strict=True):
-                procs.append(
-                    subprocess.Popen(
-                        command,
-                        cwd=cwd,
-                        env={**env, **extra},
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        text=True,
-                        start_new_session=True,
-                    )
+            for command, extra in commands:
+                log = stack.enter_context(tempfile.TemporaryFile("w+"))
+                proc = subprocess.Popen(
+                    command,
+                    cwd=cwd,
+                    env={**env, **extra},
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    start_new_session=True,
                 )
-            deadline = time.monotonic() + timeout
-            codes = []
-            for proc in procs:
-                try:
-                    codes.append(proc.wait(timeout=max(0, deadline - time.monotonic())))
-                except subprocess.TimeoutExpired:
-                    codes.append(f"timed out after {timeout} s")  # output shown below
+                proc.log = log
+                procs.append(proc)
+            yield mark, procs
         finally:
             for proc in procs:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
             kill_marked(mark)
-        outputs = []
-        for log in logs:
-            log.seek(0)
-            outputs.append(log.read())
-    return list(zip(codes, outputs, strict=True))
+            for proc in procs:
+                proc.log.seek(0)
+                proc.output = proc.log.read()
+
+
+def run_jobs(commands, cwd, env=None, timeout=JOB_TIMEOUT):
+    """Run every (command, extra_env) at once (see started), wait for all, and return
+    [(returncode, output)] (returncode a message on timeout, so the test fails showing
+    the output)."""
+    with started(commands, cwd, env) as (_, procs):
+        deadline = time.monotonic() + timeout
+        codes = []
+        for proc in procs:
+            try:
+                codes.append(proc.wait(timeout=max(0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                codes.append(f"timed out after {timeout} s")  # output shown below
+    return [(code, proc.output) for code, proc in zip(codes, procs, strict=True)]
 
 
 def run_job(command, cwd, env=None, timeout=JOB_TIMEOUT):

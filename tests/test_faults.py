@@ -4,13 +4,9 @@ the launcher), a missing peer or a busy port is one clear line, a worker's end n
 aborts it. Every job runs in its own process group; each test also checks that
 nothing of the job is left running once the launcher has exited."""
 
-import contextlib
-import os
 import re
 import signal
 import socket
-import subprocess
-import tempfile
 import time
 
 import pytest
@@ -20,15 +16,14 @@ from conftest import (
     bake,
     edit,
     free_port,
-    kill_marked,
     live_members,
     load_weights,
     marked,
     max_difference,
     nan_loss_on_rank_1,
-    new_mark,
     replace_user_functions,
     run_job,
+    started,
 )
 
 ARGS = ["--epochs", "3", "--batch-size", "8", "--num-workers", "0", "--val-size", "37"]
@@ -38,39 +33,22 @@ KILL = "os.kill(os.getpid(), signal.SIGKILL)"
 
 
 def watch(command, project, env, timeout=90):
-    """Run a job in its own process group. Returns (exit code, output, seconds until
-    the launcher exited, processes of the job still alive 5 s after that: of its
-    process group, or with its mark, as torchrun's workers in their own sessions)."""
-    mark = new_mark()
-    with tempfile.TemporaryFile("w+") as log:
+    """Run a job (see conftest.started). Returns (exit code, output, seconds until the
+    launcher exited, processes of the job still alive 5 s after that: of its process
+    group, or with its mark, as torchrun's workers in their own sessions)."""
+    with started([(command, env)], project) as (mark, [proc]):
         start = time.monotonic()
-        proc = subprocess.Popen(
-            command,
-            cwd=project,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **env, **mark},
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        try:
-            code = proc.wait(timeout=timeout)
-            seconds = time.monotonic() - start
+        code = proc.wait(timeout=timeout)
+        seconds = time.monotonic() - start
 
-            def job_left():
-                return sorted(set(live_members(proc.pid)) | set(marked(mark)))
+        def job_left():
+            return sorted(set(live_members(proc.pid)) | set(marked(mark)))
 
-            deadline = time.monotonic() + 5
-            while job_left() and time.monotonic() < deadline:
-                time.sleep(0.2)
-            left = job_left()
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            kill_marked(mark)
-        log.seek(0)
-        return code, log.read(), seconds, left
+        deadline = time.monotonic() + 5
+        while job_left() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = job_left()
+    return code, proc.output, seconds, left
 
 
 def single(out_dir, args, **env):

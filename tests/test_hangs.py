@@ -6,16 +6,19 @@ in compute_loss, a rank that takes a collective the others do not, a rank whose
 DataLoader worker is stuck."""
 
 import ast
-import contextlib
-import os
 import re
-import signal
-import subprocess
 import time
 
 import pytest
 
-from conftest import TINY, bake, free_port, live_members, replace_user_functions
+from conftest import (
+    TINY,
+    bake,
+    free_port,
+    live_members,
+    replace_user_functions,
+    started,
+)
 from test_faults import watch
 
 TIMEOUT = 5  # --dist-timeout, seconds without progress
@@ -206,29 +209,14 @@ def test_a_hang_across_two_nodes(tmp_path):
     )
     replace_user_functions(project, STUCK_IN_COMPUTE_LOSS)
     node = {"NNODES": "2", "NPROC_PER_NODE": "1", "MASTER_ADDR": "127.0.0.1"}
-    node = {**os.environ, **node, "MASTER_PORT": str(free_port())}
+    node["MASTER_PORT"] = str(free_port())
     command = ["./run_multi.sh", *ARGS, "--output-dir", str(tmp_path / "out")]
-    logs = [tmp_path / f"node{rank}.log" for rank in (0, 1)]
-    nodes = [
-        subprocess.Popen(
-            command,
-            cwd=project,
-            env={**node, "NODE_RANK": str(rank)},
-            stdout=log.open("w"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        for rank, log in zip((0, 1), logs, strict=True)
-    ]
-    try:
+    jobs = [(command, {**node, "NODE_RANK": str(rank)}) for rank in (0, 1)]
+    with started(jobs, project) as (_, nodes):
         codes = [proc.wait(timeout=LIMIT) for proc in nodes]
         time.sleep(5)
         left = [live_members(proc.pid) for proc in nodes]
-    finally:
-        for proc in nodes:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-    output0, output1 = (log.read_text() for log in logs)
+    output0, output1 = (proc.output for proc in nodes)
     assert codes == [1, 1], (output0, output1)
     assert left == [[], []], (output0, output1)
     assert summary(output0)[1].startswith("  rank 1: compute_loss"), output0
