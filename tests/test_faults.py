@@ -4,12 +4,14 @@ the launcher), a missing peer or a busy port is one clear line, a worker's end n
 aborts it. Every job runs in its own process group; each test also checks that
 nothing of the job is left running once the launcher has exited."""
 
+import os
 import re
 import signal
 import socket
 import time
 
 import pytest
+import torch.distributed as dist
 
 from conftest import (
     act_after_step,
@@ -17,6 +19,7 @@ from conftest import (
     edit,
     free_port,
     live_members,
+    load_module,
     load_weights,
     marked,
     max_difference,
@@ -273,6 +276,66 @@ def test_a_busy_master_port_is_one_clear_line(tmp_path):
         f"error: port 127.0.0.1:{port} is in use; choose another --master-port"
     ]
     assert "Traceback" not in output
+
+
+def test_spawn_keeps_the_free_port_it_picks_until_the_end(tmp_path):
+    """No other program can take the port the spawn launcher picked, while rank 0's
+    store can still listen there."""
+    module = load_module(bake(tmp_path, launcher="spawn"))
+    with socket.socket() as held:
+        port = module.hold_free_port(held)
+        with socket.socket() as other, pytest.raises(OSError, match="in use"):
+            other.bind(("", port))
+        store = dist.TCPStore("127.0.0.1", port, 1, is_master=True)
+        store.set("rank 0", "listens")
+        assert store.get("rank 0") == b"listens"
+
+
+# Every Python process of the job loads this (a sitecustomize.py on PYTHONPATH):
+# torchrun's pick of a free port for the workers' own store returns one that another
+# program holds, as when one takes it between torchrun's pick and rank 0's listen.
+PORT_TAKEN_AFTER_THE_PICK = """
+import os
+
+import torch.distributed.elastic.rendezvous.api as api
+
+api.get_free_port = lambda: int(os.environ["TEST_TAKEN_PORT"])
+"""
+
+
+@pytest.mark.xdist_group("faults_reference")
+@pytest.mark.parametrize("restarts", [0, 1])
+def test_torchrun_workers_use_no_port_of_their_own_unless_restarted(
+    tmp_path, reference, restarts
+):
+    """Without restarts the workers share torchrun's store, listening before they
+    start, so no other program can take their port; with restarts they have one of
+    their own (gloo restarts rendezvous reliably only so), and a program that takes it
+    first ends the job in one line."""
+    project = bake(tmp_path, launcher="torchrun", save_strategy="final_only")
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(PORT_TAKEN_AFTER_THE_PICK)
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        paths = os.pathsep.join([str(site), os.environ["PYTHONPATH"]])
+        env = {"MAX_RESTARTS": str(restarts), "TEST_TAKEN_PORT": str(port)}
+        command, env = single(tmp_path / "out", SHORT, PYTHONPATH=paths, **env)
+        code, output, _, left = watch(command, project, env)
+    assert left == [], output
+    if restarts == 0:
+        assert code == 0, output
+        final = load_weights(tmp_path / "out" / "model_final.pt")
+        assert max_difference(final, reference(SHORT)) < 1e-5
+        return
+    assert code == 1, output
+    errors = [line for line in output.splitlines() if "error" in line.lower()]
+    # Both attempts (the first, then torchrun's restart) end the same way: here the
+    # same port is busy every time; in life a restart picks another.
+    line = f"error: port localhost:{port} is in use (another program took it after "
+    assert errors == [f"{line}torchrun picked it); run the job again"] * 2, output
 
 
 # -- (g) a worker's end never aborts it --------------------------------------------------

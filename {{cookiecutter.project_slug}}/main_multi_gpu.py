@@ -363,7 +363,10 @@ def rendezvous_failed(err, address):
 {% if spawn %}
         return f"error: port {address} is in use; choose another --master-port"
 {% else %}
-        return f"error: port {address} is in use; choose another MASTER_PORT"
+        return (  # a port torchrun picked free for the workers (MAX_RESTARTS > 0)
+            f"error: port {address} is in use (another program took it after "
+            "torchrun picked it); run the job again"
+        )
 {% endif %}
 {% if multi %}
     return (
@@ -2561,10 +2564,14 @@ def abort_line():
 # Launching: one worker process per GPU (or 2 on a CPU)
 # --------------------------------------------------------------------------------------
 {% if spawn %}
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
+def hold_free_port(sock):
+    """Bind sock to a free port and return the port. Keep sock open while the workers
+    run: bound with address reuse and not listening, it lets rank 0's store (which
+    binds with reuse too) listen there, but no other program can take the port first,
+    as it could one picked and let go."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("", 0))
+    return sock.getsockname()[1]
 
 
 def worker(local_rank, args, master_port):
@@ -2614,11 +2621,13 @@ def main():
     problem = cuda_problem(args.backend, args.nproc_per_node)
     if problem:
         raise failure(problem)
+    held = socket.socket()  # closed as main() returns: see hold_free_port()
 {% if multi %}
-    master_port = args.master_port or (29500 if args.nnodes > 1 else free_port())
+    default_port = 29500 if args.nnodes > 1 else hold_free_port(held)
+    master_port = args.master_port or default_port
     first_rank = args.node_rank * args.nproc_per_node
 {% else %}
-    master_port = args.master_port or free_port()
+    master_port = args.master_port or hold_free_port(held)
     first_rank = 0
 {% endif %}
     processes, stops = [], []  # the workers; the signals received
