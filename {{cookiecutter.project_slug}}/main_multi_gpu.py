@@ -363,7 +363,7 @@ def rendezvous_failed(err, address):
 {% if spawn %}
         return f"error: port {address} is in use; choose another --master-port"
 {% else %}
-        return (  # a port torchrun picked free for the workers (MAX_RESTARTS > 0)
+        return (  # a port torchrun picked free for the workers
             f"error: port {address} is in use (another program took it after "
             "torchrun picked it); run the job again"
         )

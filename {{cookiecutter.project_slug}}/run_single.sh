@@ -26,13 +26,8 @@ fi
 require_number NPROC_PER_NODE 1
 MAX_RESTARTS="${MAX_RESTARTS:-0}"
 require_number MAX_RESTARTS 0
-if ((10#${MAX_RESTARTS} > 0)); then
-  # Restarted workers rendezvous reliably on gloo only without the shared TCP store,
-  # at the price of a port of their own, picked free but left open to any process
-  # until rank 0 listens on it. Without restarts they share torchrun's, held from
-  # the start.
-  export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-fi
+# Restarted workers rendezvous reliably on gloo only without the shared TCP store.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 
 # main_multi_gpu.py runs torchrun itself, in its own process: it checks the arguments
 # first, and a failure, Ctrl-C or SIGTERM then ends in one line and the exit status
