@@ -2623,8 +2623,9 @@ def main():
         raise failure(problem)
     held = socket.socket()  # closed as main() returns: see hold_free_port()
 {% if multi %}
-    default_port = 29500 if args.nnodes > 1 else hold_free_port(held)
-    master_port = args.master_port or default_port
+    master_port = args.master_port or (
+        29500 if args.nnodes > 1 else hold_free_port(held)
+    )
     first_rank = args.node_rank * args.nproc_per_node
 {% else %}
     master_port = args.master_port or hold_free_port(held)
