@@ -163,6 +163,11 @@ def run_jobs(commands, cwd, env=None, timeout=JOB_TIMEOUT):
     return [(code, proc.output) for code, proc in zip(codes, procs, strict=True)]
 
 
+def error_lines(output):
+    """The lines of a job's output that speak of an error (any case)."""
+    return [line for line in output.splitlines() if "error" in line.lower()]
+
+
 def run_job(command, cwd, env=None, timeout=JOB_TIMEOUT):
     return run_jobs([(command, env or {})], cwd, timeout=timeout)[0]
 

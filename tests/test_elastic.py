@@ -12,6 +12,7 @@ import pytest
 from conftest import (
     act_after_step,
     bake,
+    error_lines,
     load_weights,
     max_difference,
     metrics,
@@ -168,7 +169,7 @@ def test_three_processes_cannot_split_sixteen(projects, one_epoch_on_two, tmp_pa
         "grad-accum 1); 3 processes x batch 8 x grad-accum 1 make 24: use a number of "
         "processes that divides 16, or pass --allow-batch-change to go on with 24"
     )
-    errors = [line for line in output.splitlines() if "error" in line.lower()]
+    errors = error_lines(output)
     assert errors == [refusal], output
     assert "Traceback" not in output
     assert (out / "checkpoint_last.pt").read_bytes() == kept.read_bytes()

@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import bake, metrics, run_single
+from conftest import bake, error_lines, metrics, run_single
 
 ARGS = ["--num-workers", "0", "--val-size", "37", "--batch-size", "8"]
 
@@ -74,7 +74,7 @@ def test_a_missing_or_unfitting_file_is_one_line(tmp_path):
         output = run_single(
             project, tmp_path / "out", 2, *ARGS, "--evaluate", str(path), expect=1
         )
-        errors = [line for line in output.splitlines() if "error" in line.lower()]
+        errors = error_lines(output)
         assert len(errors) == 1 and errors[0].startswith(message.format(path)), output
         assert "Traceback" not in output
     assert not (tmp_path / "out").exists()

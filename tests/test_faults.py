@@ -17,6 +17,7 @@ from conftest import (
     act_after_step,
     bake,
     edit,
+    error_lines,
     free_port,
     live_members,
     load_module,
@@ -271,7 +272,7 @@ def test_a_busy_master_port_is_one_clear_line(tmp_path):
         code, output, seconds, left = watch(command, project, env)
     assert code == 1, output
     assert seconds < 30 and left == [], output
-    errors = [line for line in output.splitlines() if "error" in line.lower()]
+    errors = error_lines(output)
     assert errors == [
         f"error: port 127.0.0.1:{port} is in use; choose another --master-port"
     ]
@@ -320,7 +321,7 @@ def test_a_port_taken_after_torchruns_pick_is_one_clear_line(tmp_path):
         code, output, seconds, left = watch(command, project, env)
     assert code == 1, output
     assert seconds < 30 and left == [], output
-    errors = [line for line in output.splitlines() if "error" in line.lower()]
+    errors = error_lines(output)
     line = f"error: port localhost:{port} is in use (another program took it after "
     assert errors == [f"{line}torchrun picked it); run the job again"], output
     assert "Traceback" not in output

@@ -15,6 +15,7 @@ from conftest import (
     bake,
     default_model,
     edit,
+    error_lines,
     load_weights,
     max_difference,
     metrics,
@@ -241,7 +242,7 @@ def test_a_crash_while_saving_keeps_the_previous_folder_and_a_nan_saves_nothing(
     )
     third = [*RUN[:-3], "3", *RUN[-2:], "--batch-size", "8"]
     output = run_single(nan, out, 2, *third, expect=1)
-    errors = [line for line in output.splitlines() if "error" in line.lower()]
+    errors = error_lines(output)
     line = (
         "error: the loss is nan in epoch 3 at batch 2 (rank 1); stopped without saving "
         "it. Try a lower --lr, --clip-grad-norm 1.0, or --amp bf16 instead of fp16"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import PYTHON, TINY, bake, run_job
+from conftest import PYTHON, TINY, bake, error_lines, run_job
 
 ENV = {"NPROC_PER_NODE": "2"}
 PWNED = Path(tempfile.gettempdir()) / "ddp_template_pwned"
@@ -74,7 +74,7 @@ def test_missing_or_corrupt_resume_is_one_clear_line(request, launcher, case, tm
     command = ["./run_single.sh", *TINY, "--resume", str(path)]
     code, output = run_job(command, project, ENV)
     assert code == 1, output
-    errors = [line for line in output.splitlines() if "error" in line.lower()]
+    errors = error_lines(output)
     reason = {
         "missing": "No such file or directory",
         "corrupt": "not a checkpoint (Unsupported operand 110)",

@@ -13,6 +13,7 @@ import torch
 from conftest import (
     act_after_step,
     bake,
+    error_lines,
     load_module,
     load_weights,
     nan_loss_on_rank_1,
@@ -49,7 +50,7 @@ def test_a_nan_loss_stops_the_run_and_names_the_step(tmp_path):
     out = tmp_path / "out"
     code, output, _, left = single(project, out, LONG)
     assert code == 1 and left == [], output
-    errors = [line for line in output.splitlines() if "error" in line.lower()]
+    errors = error_lines(output)
     line = (
         "error: the loss is nan in epoch 2 at batch 13 (rank 1); stopped without saving "
         "it. Try a lower --lr, --clip-grad-norm 1.0, or --amp bf16 instead of fp16"
@@ -89,7 +90,7 @@ def test_a_huge_learning_rate_or_a_full_disk_keeps_the_last_good_checkpoint(tmp_
     command = [*limited, *LONG, "--output-dir", str(out)]
     code, output, _, left = watch(command, project, {"NPROC_PER_NODE": "2"})
     assert code == 1 and left == [], output
-    errors = [line for line in output.splitlines() if "error" in line.lower()]
+    errors = error_lines(output)
     last = out / "checkpoint_last.pt"
     assert len(errors) == 1, output
     assert errors[0].startswith(f"error: cannot write {last} (")

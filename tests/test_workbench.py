@@ -21,6 +21,7 @@ from conftest import (
     act_after_step,
     bake,
     edit,
+    error_lines,
     load_module,
     load_weights,
     max_difference,
@@ -478,7 +479,7 @@ def test_a_resume_that_cannot_keep_the_global_batch_is_refused(tmp_path, one_epo
     shutil.copytree(first, out)
     before = (out / "checkpoint_last.pt").read_bytes()
     output = train(project, out, 2, "--batch-size", "16", "--epochs", "2", expect=2)
-    errors = [line for line in output.splitlines() if "error" in line.lower()]
+    errors = error_lines(output)
     refusal = (
         "error: the checkpoint's global batch is 16 (2 processes x batch 8 x "
         "grad-accum 1); 2 processes x batch 16 x grad-accum 1 make 32: e.g. "
@@ -519,7 +520,7 @@ def test_a_resume_with_fp16_goes_on_and_one_after_a_new_optimizer_is_refused(
     replace_user_functions(project, ADAMW_COSINE)
     before = (out / "checkpoint_last.pt").read_bytes()
     output = train(project, out, 2, "--batch-size", "8", "--epochs", "3", expect=1)
-    errors = [line for line in output.splitlines() if "error" in line.lower()]
+    errors = error_lines(output)
     refusal = (
         f"error: {out / 'checkpoint_last.pt'} holds another optimizer or LR schedule "
         "than build_optimizer() makes; start afresh with --resume never or another "
@@ -541,6 +542,6 @@ def build_datasets(args):
 def test_an_empty_dataset_is_one_line(tmp_path):
     project = adapted(tmp_path, "empty", NO_VALIDATION)
     output = train(project, tmp_path / "out", 2, "--epochs", "1", expect=1)
-    errors = [line for line in output.splitlines() if "error" in line.lower()]
+    errors = error_lines(output)
     assert errors == ["error: build_datasets() returned an empty validation set"]
     assert "Traceback" not in output
