@@ -193,3 +193,20 @@ def test_template_has_no_repo_only_files():
     assert folder.name == "{{cookiecutter.project_slug}}"  # the design card's name
     names = {p.name for p in folder.iterdir()}
     assert names == COMMON_FILES | {"run_multi.sh", "run_slurm.sbatch"}
+
+
+def test_template_sources_stay_small():
+    """The template is split by concern (README: "Maintaining the template"): no
+    source file grows back into one that interleaves every variant."""
+    sources = [*TEMPLATE.glob("{{*}}/*"), *(TEMPLATE / "templates").rglob("*.*")]
+    assert len(sources) > 30
+    sizes = {
+        path.relative_to(TEMPLATE).as_posix(): (
+            path.read_text().count("\n"),
+            path.read_text().count("{%"),
+        )
+        for path in sources
+    }
+    too_big = {name: size for name, size in sizes.items() if size[0] > 800}
+    too_many_tags = {name: size for name, size in sizes.items() if size[1] > 40}
+    assert too_big == too_many_tags == {}

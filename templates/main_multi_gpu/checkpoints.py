@@ -1,0 +1,300 @@
+# --------------------------------------------------------------------------------------
+# Checkpoints and resuming (rank 0 writes; every rank reads through rank 0)
+# --------------------------------------------------------------------------------------
+def snapshot(t, at):
+    """Everything a resume needs: the state at `at`. (Every rank calls it: the loss
+    sums since the last evaluation are added up over the ranks.)"""
+    args, world_size = t.args, dist.get_world_size()
+    sums = t.sums.totals()
+    return {
+{{ saving.snapshot_tensors() }}
+        "scheduler": t.scheduler.state_dict() if t.scheduler else None,
+        "scaler": t.scaler.state_dict(),
+        "epoch": at.epoch,  # passes done
+        "epoch_samples": at.samples,  # of the pass under way, over all ranks
+        "step": at.step,  # optimizer updates done
+        "stream": at.stream,  # the training stream's state_dict() there, or None
+        "train_sums": list(sums),  # loss sum and units since the last evaluation
+        "global_batch": [world_size, args.batch_size, args.grad_accum],
+        "total_updates": t.total_updates,
+{% if strategy == "best" %}
+        "best_val_loss": t.best_val_loss,
+{% endif %}
+        "args": {key: plain(value) for key, value in vars(args).items()},
+    }
+
+
+def plain(value):
+    """A value weights_only=True loads: a Path (say, from a flag you add) as text."""
+    simple = isinstance(value, (bool, int, float, str, type(None)))
+    return value if simple else str(value)
+
+
+def save_atomic(obj, path):
+    """torch.save(obj) to `path`, whole or not at all (see replacing)."""
+    with replacing(path, "wb") as f:
+        torch.save(obj, f)
+
+
+@contextlib.contextmanager
+def replacing(path, mode):
+    """A temporary file to write, renamed to `path` once complete: a crash or a
+    failed write (a full disk) leaves `path` as it was; a failed write ends the run
+    with one line."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with tmp.open(mode, newline=None if "b" in mode else "") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as err:  # torch.save's failed writes: RuntimeError
+        tmp.unlink(missing_ok=True)
+        reason = getattr(err, "strerror", None) or str(err).strip().splitlines()[0]
+        free = shutil.disk_usage(path.parent).free / 2**30
+        raise failure(
+            f"error: cannot write {path} ({reason}; {free:.1f} GB free there); "
+            f"{path.name} is left as it was"
+        ) from None
+
+
+def by_rank_0(device, write, *args):
+    """DDP change 4: rank 0 alone calls write(*args), which writes files. The others
+    wait for it (as they would at the next collective), so that a write that fails
+    there ends every rank together, with one line from rank 0."""
+    failed = torch.zeros((), device=device)
+    if dist.get_rank() == 0:
+        try:
+            write(*args)
+        except SystemExit:  # a file's write failed, and replacing() said so
+            failed.fill_(1)
+        except OSError as err:  # a folder that cannot be made, copied or moved
+            failure(f"error: cannot write {err.filename}: {err.strerror or err}")
+            failed.fill_(1)
+    dist.broadcast(failed, src=0)
+    if failed.item():
+        raise SystemExit(1)
+
+
+{{ saving.load_checkpoint() }}
+
+
+def load_shared(path, device, verb):
+    """The dict saved in `path` (None for no path), on every rank. Rank 0 reads the
+    file and sends its bytes to the others, so machines need not share a disk; each
+    rank loads them with weights_only=True. A file that cannot be read or loaded:
+    one line, "error: cannot <verb> <path>: <why>"."""
+    data, error = None, None
+    if dist.get_rank() == 0 and path is not None:
+        try:
+            data = path.read_bytes()
+        except OSError as err:
+            error = f"error: cannot {verb} {path}: {err.strerror or err}"
+    failed = torch.tensor(float(error is not None), device=device)
+    dist.broadcast(failed, src=0)
+    if failed.item():
+        raise failure(error)
+    data = broadcast_bytes(data, device)
+    if data is None:
+        return None
+    try:
+        # weights_only=True: a checkpoint is data; never run code from a pickle.
+        loaded = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        if not isinstance(loaded, dict):
+            raise TypeError(f"it holds a {type(loaded).__name__}, not a dict")
+    except Exception as err:  # torch.load raises many kinds on a corrupt file
+        lines = [line for line in str(err).splitlines() if line.strip()] or [repr(err)]
+        # weights_only says why in one of its lines: "unsupported GLOBAL posix.system"
+        # (a pickle that would run code: refused), or "Unsupported operand" (no pickle).
+        says = ("GLOBAL" in line or line.startswith("Unsupported") for line in lines)
+        cause = next((line for line, why in zip(lines, says) if why), lines[0])
+        if "GLOBAL" in cause:
+            message = f"refused by weights_only=True ({cause.rstrip('.')})"
+        else:
+            message = f"not a checkpoint ({cause.rstrip('.')})"
+        raise failure(f"error: cannot {verb} {path}: {message}") from err
+    return loaded
+
+
+def load_weights(model, weights, path, advice=""):
+    """Load a state_dict into the model build_model() made, or say in one line why
+    it does not fit (build_model() changed since it was saved, another project's)."""
+    try:
+{{ saving.load_state() }}
+    except (RuntimeError, TypeError) as err:
+        reason = str(err).strip().splitlines()[-1].strip()
+        raise failure(
+            f"error: {path} does not fit the model build_model() makes ({reason})"
+            + advice
+        ) from err
+
+
+def broadcast_bytes(data, device):
+    """Rank 0's bytes, on every rank, as a bytearray (None where rank 0 has None): a
+    size, then the bytes as a uint8 tensor. (all_gather_object and friends would need
+    NumPy.)"""
+    size = torch.tensor(-1 if data is None else len(data), device=device)
+    dist.broadcast(size, src=0)
+    if size.item() < 0:
+        return None
+    buffer = bytearray(data) if dist.get_rank() == 0 else bytearray(size.item())
+    if buffer:
+        received = torch.frombuffer(buffer, dtype=torch.uint8).to(device)
+        dist.broadcast(received, src=0)
+        torch.frombuffer(buffer, dtype=torch.uint8).copy_(received)
+    return buffer
+
+
+def settle_global_batch(args, checkpoint, world_size):
+    """Set args.grad_accum. A resumed run keeps the checkpoint's global batch (processes
+    x batch x grad-accum), whatever its number of processes: then every update trains
+    on the same samples as before, in the same order. It derives the grad-accum that
+    does so, or refuses in one line unless --allow-batch-change."""
+    if checkpoint is None:
+        args.grad_accum = args.grad_accum or 1
+        return
+    old = checkpoint["global_batch"]  # [processes, batch, grad-accum]
+    target, per_update = math.prod(old), world_size * args.batch_size
+    if args.grad_accum is None:
+        args.grad_accum = max(1, target // per_update)
+    new = [world_size, args.batch_size, args.grad_accum]
+    if math.prod(new) != target and not args.allow_batch_change:
+        if target % world_size:
+            hint = f"use a number of processes that divides {target}"
+        else:
+            hint = f"e.g. --batch-size {target // world_size} --grad-accum 1"
+        raise failure(
+            f"error: the checkpoint's global batch is {target} ({describe(old)}); "
+            f"{describe(new)} make {math.prod(new)}: {hint}, or pass "
+            f"--allow-batch-change to go on with {math.prod(new)}",
+            status=2,
+        )
+    if new != old:
+        kept = "kept" if math.prod(new) == target else f"changed from {target}"
+        print0(
+            f"resume: global batch {math.prod(new)} {kept}: {describe(new)} "
+            f"(the checkpoint had {describe(old)})"
+        )
+
+
+def describe(global_batch):
+    processes, batch, accum = global_batch
+    noun = "process" if processes == 1 else "processes"
+    return f"{processes} {noun} x batch {batch} x grad-accum {accum}"
+
+
+def resume(t, checkpoint, out_dir):
+    """Restore the state a checkpoint holds, trim metrics.csv to its updates, and
+    return the Position training goes on from."""
+    at, carried = Position(), (0.0, 0.0)
+    if checkpoint is not None:
+        advice = "; start afresh with --resume never or another --output-dir"
+        if not same_optimizer(t, checkpoint):  # build_optimizer() changed since
+            raise failure(
+                f"error: {checkpoint['path']} holds another optimizer or LR schedule "
+                f"than build_optimizer() makes{advice}"
+            )
+        # This run's optimizer settings, before the checkpoint's replace them.
+        fresh = [
+            {key: value for key, value in group.items() if key != "params"}
+            for group in t.optimizer.param_groups
+        ]
+{{ saving.resume_tensors() }}
+        if checkpoint["scaler"]:  # empty when it was saved without --amp fp16
+            t.scaler.load_state_dict(checkpoint["scaler"])
+        at = Position(
+            checkpoint["epoch"],
+            checkpoint["epoch_samples"],
+            checkpoint["step"],
+            checkpoint["stream"],
+        )
+        carried = tuple(checkpoint["train_sums"])  # over all ranks: rank 0 adds them
+{% if strategy == "best" %}
+        t.best_val_loss = checkpoint.get("best_val_loss", math.inf)
+{% endif %}
+        resume_position(t, at, math.prod(checkpoint["global_batch"]))
+        restore_schedule(t, checkpoint, at.step, fresh)
+        print0(f"resumed from {checkpoint['path']} {where(at, t.args.batch_size)}")
+        if finished(t, at):
+            length = "--max-steps" if t.args.max_steps else "--epochs"
+            print0(
+                f"resume: the run is done ({at.step} updates, {at.epoch} passes), "
+                f"nothing to train; a larger {length} goes on, --resume never starts "
+                "afresh"
+            )
+    t.sums = LossSums(t.device, t.args, carried if dist.get_rank() == 0 else (0, 0))
+    saved_step = checkpoint["step"] if checkpoint else 0  # the rows' counting
+    by_rank_0(t.device, start_metrics, out_dir, saved_step)
+    return at
+
+
+def resume_position(t, at, saved_batch):
+    """The checkpoint's position as this run reads it. A sampler starts at a whole
+    step, and a stream without a saved state is read up to it. After a change of the
+    global batch (--allow-batch-change), the samples of a step begun are trained
+    again, and the updates done are counted in updates of the new global batch."""
+    args, world_size = t.args, dist.get_world_size()
+    if isinstance(t.train_data, StreamShard):
+        if at.samples and at.stream is None:
+            print0(
+                f"resume: the training stream has no state_dict(), so every reader "
+                f"reads its first {at.samples} items again to get there"
+            )
+    elif again := at.samples % (args.batch_size * world_size):
+        print0(f"resume: {again} samples of this pass are trained again")
+        at.samples -= again
+    global_batch = world_size * args.batch_size * args.grad_accum
+    if global_batch != saved_batch and t.steps_per_pass:
+        per_pass = math.ceil(t.steps_per_pass / args.grad_accum)
+        at.step = at.epoch * per_pass + at.samples // global_batch
+    elif global_batch != saved_batch:  # a stream of unknown length: by samples
+        at.step = at.step * saved_batch // global_batch
+
+
+def restore_schedule(t, checkpoint, done, fresh):
+    """The LR schedule. A run whose length (--epochs, --max-steps), --lr or global
+    batch changed gets the schedule a run with its arguments would have followed from
+    the start, at the update it has reached (`done`), and one line saying so; its
+    optimizer keeps the checkpoint's statistics and takes this run's settings
+    (`fresh`)."""
+    args, saved = t.args, checkpoint["args"]
+    # A schedule counts updates: its length and the samples per update (the global
+    # batch) place a run on it. Without a scheduler, only the LR matters.
+    global_batch = dist.get_world_size() * args.batch_size * args.grad_accum
+    was = checkpoint["total_updates"], math.prod(checkpoint["global_batch"])
+    same_length = was == (t.total_updates, global_batch)
+    if saved["lr"] == args.lr and (same_length or not t.scheduler):
+        if t.scheduler:
+            t.scheduler.load_state_dict(checkpoint["scheduler"])
+        return
+    # Keep the optimizer's statistics (momentum, Adam moments); take the new settings.
+    for group, settings in zip(t.optimizer.param_groups, fresh, strict=True):
+        group.update(settings)
+    if t.scheduler:
+        with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()"
+            warnings.simplefilter("ignore")
+            for _ in range(min(done, t.total_updates)):
+                t.scheduler.step()
+    lr = t.optimizer.param_groups[0]["lr"]
+    print0(
+        f"resume: the LR schedule is rebuilt for --lr {args.lr}, {t.total_updates} "
+        f"updates of {global_batch} samples (the checkpoint's: --lr {saved['lr']}, "
+        f"{was[0]} updates of {was[1]}); continuing at update {done}, LR {lr:.6g}"
+    )
+
+
+def same_optimizer(t, checkpoint):
+    """Whether the checkpoint's optimizer and scheduler are of the kinds
+    build_optimizer() makes: the same settings, parameter groups and state names."""
+
+    def shape(groups):
+        return [(sorted(group), len(group["params"])) for group in groups]
+
+    saved = checkpoint["optimizer"]["param_groups"]
+    if shape(saved) != shape(t.optimizer.state_dict()["param_groups"]):
+        return False
+    if t.scheduler is None or checkpoint["scheduler"] is None:
+        return t.scheduler is None and checkpoint["scheduler"] is None
+    return sorted(checkpoint["scheduler"]) == sorted(t.scheduler.state_dict())
+
+

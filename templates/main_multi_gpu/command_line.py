@@ -1,0 +1,242 @@
+# --------------------------------------------------------------------------------------
+# The command line
+# --------------------------------------------------------------------------------------
+def parse_args(argv=None):
+    """The command line. A value that cannot work stops the run here, before anything
+    starts: one line, exit status 2."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=ShowDefaults)
+    parser.error = usage_error
+    add_training_arguments(parser.add_argument_group("training"))
+    add_long_run_arguments(parser.add_argument_group("long runs"))
+    add_speed_arguments(parser.add_argument_group("speed and insight"))
+    add_running_arguments(parser.add_argument_group("processes and machines"))
+    args = parser.parse_args(argv)
+    if not (args.evaluate or args.preflight):  # the modes that write nothing
+        check_output_dir(args.output_dir)
+{% if spawn and multi %}
+    if args.node_rank >= args.nnodes:
+        usage_error(f"argument --node-rank: must be below --nnodes {args.nnodes}")
+{% endif %}
+    return args
+
+
+class ShowDefaults(argparse.HelpFormatter):
+    """--help: each flag's meaning, then its default ("off" for a switch or an
+    option that is unset unless given)."""
+
+    def _get_help_string(self, action):
+        meaning = action.help or ""
+        if "default" in meaning or action.default == argparse.SUPPRESS:
+            return meaning  # it says its default in its own words
+        unset = action.default is None or action.default is False
+        default = "off" if unset else "%(default)s"
+        return f"{meaning} (default: {default})"
+
+
+def check_output_dir(folder):
+    """Refuse a --output-dir that rank 0 could not make or write in, before anything
+    starts (this only looks: the folder is made when training starts)."""
+    path = Path(folder).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        usage_error(f"argument --output-dir: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        usage_error(f"argument --output-dir: no permission to write in {existing}")
+
+
+def usage_error(message):
+    """argparse's errors and ours: one line (rank 0), exit 2, before anything starts."""
+    raise failure(f"error: {message} (see --help)", status=2)
+
+
+def at_least(least, most=math.inf):
+    """An argparse type: a whole number from `least` (to `most`)."""
+
+    def number(text):
+        value = int(text)
+        if not least <= value <= most:
+            top = "" if most == math.inf else f" and at most {most}"
+            message = f"must be at least {least}{top}, not {value}"
+            raise argparse.ArgumentTypeError(message)
+        return value
+
+    number.__name__ = "int"  # argparse: "invalid int value: ..."
+    return number
+
+
+def positive(text):
+    """An argparse type: a number above 0 (and finite)."""
+    value = float(text)
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be above 0, not {text}")
+    return value
+
+
+def not_negative(text):
+    """An argparse type: a number of at least 0 (and finite)."""
+    value = float(text)
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be at least 0, not {text}")
+    return value
+
+
+positive.__name__ = not_negative.__name__ = "float"  # "invalid float value: ..."
+
+
+def add_training_arguments(parser):
+    number = {"metavar": "N", "type": at_least(1)}  # a count of at least 1
+    parser.add_argument(
+        "--epochs", **number, default=10, help="passes over the training set"
+    )
+    parser.add_argument(
+        "--batch-size",
+        **number,
+        default=32,
+        help="samples per process and step: the global batch is N x processes x "
+        "--grad-accum",
+    )
+    parser.add_argument(
+        "--lr",
+        type=not_negative,
+        default=0.1,
+        metavar="F",
+        help="learning rate (0 trains nothing: a probe of data, evaluation, speed)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        metavar="N",
+        help="initial weights and data order, the same on every rank",
+    )
+    parser.add_argument(
+        "--num-workers",
+        type=at_least(0),
+        default=2,
+        metavar="N",
+        help="DataLoader worker processes per training process",
+    )
+    parser.add_argument(
+        "--train-size", **number, default=2048, help="samples of the built-in data"
+    )
+    parser.add_argument(
+        "--val-size", **number, default=512, help="validation samples of the same"
+    )
+    parser.add_argument(
+        "--output-dir",
+        default="outputs",
+        metavar="DIR",
+        help="where checkpoints, final weights, metrics and plots go",
+    )
+    parser.add_argument(
+        "--resume",
+        default="auto",
+        metavar="{auto,never,PATH}",
+        help="auto: continue from DIR/checkpoint_last.pt when it exists",
+    )
+    parser.add_argument(
+        "--evaluate",
+        metavar="PATH",
+        help="only evaluate the weights in PATH (model_final.pt or a checkpoint) on "
+        "the validation set and print the metrics; writes nothing",
+    )
+    parser.add_argument(
+        "--grad-accum",
+        type=at_least(1),
+        metavar="N",
+        help="micro-batches per optimizer update (default 1; when resuming, what "
+        "keeps the checkpoint's global batch of processes x batch x N)",
+    )
+    parser.add_argument(
+        "--allow-batch-change",
+        action="store_true",
+        help="resume with a global batch other than the checkpoint's",
+    )
+    parser.add_argument(
+        "--clip-grad-norm",
+        type=positive,
+        metavar="F",
+        help="clip the gradients' norm to F before each update",
+    )
+
+
+def add_long_run_arguments(parser):
+    parser.add_argument(
+        "--max-steps",
+        type=at_least(1),
+        metavar="N",
+        help="the run's length in optimizer updates, instead of --epochs: the data "
+        "repeats, with a new shuffle each pass, as often as it takes",
+    )
+    parser.add_argument(
+        "--save-every",
+        type=at_least(0),
+{% if strategy == "final_only" %}
+        default=0,
+        metavar="N",
+        help="also write checkpoint_last.pt every N optimizer updates, so that a "
+        "crash without a signal loses at most N (0: never; final_only removes it at "
+        "the end)",
+{% else %}
+        default=1000,
+        metavar="N",
+        help="also replace checkpoint_last.pt every N optimizer updates, so that a "
+        "crash without a signal loses at most N (0: at the end of each pass only)",
+{% endif %}
+    )
+    parser.add_argument(
+        "--eval-every",
+        type=at_least(1),
+        metavar="N",
+        help="also evaluate every N optimizer updates (a row of metrics.csv each; "
+        "default: at the end of each pass and of the run)",
+    )
+
+
+def add_speed_arguments(parser):
+    parser.add_argument(
+        "--amp",
+        choices=tuple(AMP_DTYPES),
+        default="none",
+        help="mixed precision: autocast to bfloat16 or float16 (with loss scaling)",
+    )
+{{ par.compile_flag() }}
+    parser.add_argument(
+        "--profile-steps",
+        type=at_least(0),
+        default=0,
+        metavar="N",
+        help="write a torch.profiler trace of N steps of rank 0 to DIR/profile",
+    )
+    parser.add_argument(
+        "--tensorboard",
+        action="store_true",
+        help="also log metrics to DIR/tensorboard (needs tensorboard)",
+    )
+
+
+def add_running_arguments(parser):
+    parser.add_argument(
+        "--backend",
+        choices=("auto", "nccl", "gloo"),
+        default="auto",
+        help="auto: nccl when CUDA is usable, else gloo",
+    )
+    parser.add_argument(
+        "--dist-timeout",
+        type=positive,
+        metavar="S",
+        default=os.environ.get("DIST_TIMEOUT", "600"),
+        help="seconds to wait for the other processes at start-up, and that a process "
+        "may go without progress before the job ends with a report of where each "
+        "one was (default: $DIST_TIMEOUT, else 600)",
+    )
+    parser.add_argument(
+        "--preflight",
+        action="store_true",
+        help="check every rank and the network, print a table, exit without training",
+    )
+{{ launcher.launcher_flags() }}
+    parser.add_argument("--local-rank", "--local_rank", help=argparse.SUPPRESS)
+
+

@@ -1,0 +1,213 @@
+def datasets(args):
+    """build_datasets(), refusing an empty set in one line (a stream without a
+    length: when it yields nothing)."""
+    train_set, val_set = build_datasets(args)
+    for name, data in (("training", train_set), ("validation", val_set)):
+        if isinstance(data, Sized) and len(data) == 0:
+            raise failure(f"error: build_datasets() returned an empty {name} set")
+    return train_set, val_set
+
+
+def build_training(args, device, checkpoint):
+{{ par.build_training_doc() }}
+    world_size = dist.get_world_size()
+    settle_global_batch(args, checkpoint, world_size)
+    torch.manual_seed(args.seed)  # reproducible initial weights and data
+    train_set, val_set = datasets(args)
+    train_data, train_loader, val_loader = build_loaders(
+        train_set, val_set, args, device
+    )
+    steps_per_pass = pass_steps(train_set, train_loader, args)
+    if args.max_steps:
+        total_updates = args.max_steps
+    elif steps_per_pass is None:
+        raise failure(
+            "error: build_datasets() returned a training stream without a length: "
+            "give the run's length in optimizer updates, --max-steps N",
+            status=2,
+        )
+    else:
+        total_updates = args.epochs * math.ceil(steps_per_pass / args.grad_accum)
+    model = build_model(args)
+{% if cookiecutter.sync_bn %}
+    if device.type == "cuda":
+        # DDP change 3a: BatchNorm statistics over the global batch, not per rank.
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    else:
+        print0(
+            "warning: SyncBatchNorm runs on GPUs only; training with BatchNorm on CPU",
+            file=sys.stderr,
+        )
+{% endif %}
+{{ par.wrap_model() }}
+
+
+def pass_steps(train_set, train_loader, args):
+    """Micro-batches per pass and rank; None for a stream without a length."""
+    if not isinstance(train_set, IterableDataset):
+        return len(train_loader)
+    if not isinstance(train_set, Sized):
+        return None
+    return math.ceil(len(train_set) / (args.batch_size * dist.get_world_size()))
+
+
+def loader_options(data, args, device):
+    """The DataLoader settings every loader here shares."""
+    return {
+        "collate_fn": getattr(data, "collate_fn", None),
+        "num_workers": args.num_workers,
+        "pin_memory": device.type == "cuda",
+        "worker_init_fn": loader_worker_init,
+    }
+
+
+def build_loaders(train_set, val_set, args, device):
+    """DDP change 2: each rank reads a different 1/world_size of the training set
+    (a single-GPU script would pass shuffle=True to the DataLoader instead)."""
+    if isinstance(train_set, IterableDataset):
+        train_data = StreamShard(
+            train_set, args.batch_size, lockstep=True, keep_state=True
+        )
+        options = loader_options(train_data, args, device)
+        train_loader = DataLoader(train_data, batch_size=None, **options)
+        return train_data, train_loader, build_val_loader(val_set, args, device)
+    common = loader_options(train_set, args, device)
+    shard = DistributedSampler(train_set, shuffle=True, seed=args.seed)
+    train_data = ResumableSampler(shard)
+{% if cookiecutter.use_batch_sampler %}
+    batch_sampler = BatchSampler(train_data, args.batch_size, drop_last=False)
+    train_loader = DataLoader(train_set, batch_sampler=batch_sampler, **common)
+{% else %}
+    train_loader = DataLoader(
+        train_set, batch_size=args.batch_size, sampler=train_data, **common
+    )
+{% endif %}
+    return train_data, train_loader, build_val_loader(val_set, args, device)
+
+
+def build_val_loader(val_set, args, device):
+    """Validation shards take every world_size-th sample with no padding, so the
+    summed metrics count each sample exactly once (DistributedSampler would repeat
+    some); a stream is cut the same way."""
+    if isinstance(val_set, IterableDataset):
+        shard = StreamShard(val_set, args.batch_size, lockstep={{ fsdp }})
+        return DataLoader(shard, batch_size=None, **loader_options(shard, args, device))
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    shard = Subset(val_set, range(rank, len(val_set), world_size))
+    options = loader_options(val_set, args, device)
+    return DataLoader(shard, batch_size=args.batch_size, **options)
+
+
+class ResumableSampler(Sampler):
+    """The shard of a DistributedSampler, from a given position: a run stopped
+    mid-pass resumes with the next batch, without reading the ones already done."""
+
+    def __init__(self, sampler):
+        self.sampler, self.start = sampler, 0
+
+    def set_epoch(self, epoch, samples=0, state=None):
+        """Pass `epoch`, after `samples` of it (over all ranks); a sampler needs no
+        `state` to get there."""
+        self.sampler.set_epoch(epoch)
+        self.start = samples // self.sampler.num_replicas
+
+    def __iter__(self):
+        return itertools.islice(self.sampler, self.start, None)
+
+    def __len__(self):
+        return len(self.sampler) - self.start
+
+
+class StreamShard(IterableDataset):
+    """DDP change 2 for a stream (an IterableDataset, from build_datasets): this
+    rank's share of it, cut as DistributedSampler and BatchSampler cut a map-style
+    set (the stream shuffles itself, or not). Each pass is read in blocks of
+    world_size x batch_size items, one step of every rank; a rank takes every
+    world_size-th item of a block from its rank on, and its DataLoader worker w the
+    blocks w, w + workers, ... So within a pass every item is used once, a global
+    batch is the same items for any number of processes and workers, and every rank
+    takes the same steps: where the last block leaves a rank nothing, it takes a
+    stand-in step on other items that weighs nothing (lockstep, where every rank must
+    take every step).
+
+    Every reader (rank and worker) reads the whole stream and skips the items of the
+    others: keep them cheap to read, and decode in the dataset's collate_fn, which
+    runs on a reader's own items only. A resume starts a pass in the middle: a stream
+    with state_dict() and load_state_dict() goes there at once, another is read up to
+    there again."""
+
+    def __init__(self, stream, batch_size, lockstep, keep_state=False):
+        self.stream, self.batch_size, self.lockstep = stream, batch_size, lockstep
+        self.keep_state = keep_state  # training: rank 0's batches carry the state
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.collate = getattr(stream, "collate_fn", None) or default_collate
+        self.epoch, self.start, self.state = 0, 0, None
+
+    def set_epoch(self, epoch, samples=0, state=None):
+        """Pass `epoch`, after `samples` of its items, where the stream's
+        state_dict() was `state` (if it has one)."""
+        self.epoch, self.start, self.state = epoch, samples, state
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        # This reader reads the whole stream: hide the workers from a stream that
+        # would split itself among them (as Hugging Face's does).
+        torch.utils.data._utils.worker._worker_info = None
+        stream, width = self.stream, self.world_size * self.batch_size
+        if hasattr(stream, "set_epoch"):
+            stream.set_epoch(self.epoch)
+        if self.state is not None and hasattr(stream, "load_state_dict"):
+            stream.load_state_dict(self.state)
+            items = iter(stream)
+        else:
+            items = itertools.islice(stream, self.start, None)  # read up to there
+        # Rank 0's batches carry the state a checkpoint after them keeps.
+        keep = self.keep_state and self.rank == 0 and hasattr(stream, "state_dict")
+        position, pending = self.start, None
+        for step in itertools.count():
+            state = copy.deepcopy(stream.state_dict()) if keep and pending else None
+            block = list(itertools.islice(items, width))
+            if pending:  # the previous block's: now known to end the pass or not
+                yield (*pending, not block, state) if self.lockstep else pending[0]
+            if not block:
+                return
+            position += len(block)
+            share = block[self.rank :: self.world_size]
+            pending = None
+            if step % workers == worker and (share or self.lockstep):
+                # No share in the last block: a stand-in, other items of the block.
+                batch = self.collate(share or block[: self.batch_size])
+                pending = (batch, bool(share), position)
+
+
+def loader_worker_init(worker_id):
+    """DataLoader workers keep serving batches on SIGTERM and Ctrl-C: the training
+    process stops at its next check, saves, and shuts them down itself. On Linux they
+    also die with it: a forked worker holds copies of its sockets, and left alive it
+    would keep the other ranks waiting for a rank that is gone."""
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, signal.SIG_IGN)
+    faulthandler.register(signal.SIGUSR1, all_threads=False)  # for the hang watch
+    signal_when_parent_ends(signal.SIGKILL)
+
+
+def signal_when_parent_ends(signum):
+    """Linux: the kernel sends this process `signum` when the process that started
+    it ends, however it ends (kill -9 too)."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(1, signum)  # PR_SET_PDEATHSIG
+
+
+def to_device(batch, device):
+    """Move every tensor of a batch (a tensor, or tuples, lists and dicts of them)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):  # dict, or e.g. transformers' BatchEncoding
+        return {key: to_device(value, device) for key, value in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        moved = [to_device(value, device) for value in batch]
+        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
+    return batch
+
+

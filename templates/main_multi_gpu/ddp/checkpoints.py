@@ -1,0 +1,64 @@
+{# parallelism=ddp: the checkpoint format under DDP (how it is written, read and
+   resumed), where fsdp2/checkpoints.py has its own version. Macros called by name
+   from the section files (`{{ saving.load_checkpoint() }}`), as in training.py. #}
+{% set ext = ".pt" %}
+
+{% macro last_path() %}
+    last_path = out_dir / "checkpoint_last.pt"
+{%- endmacro %}
+
+{% macro final_weights() %}
+    # DDP change 4: the plain model's weights (not the DDP wrapper's), saved once.
+    weights = t.model.state_dict()
+{%- endmacro %}
+
+{% macro remove_last_checkpoint() %}
+    (out_dir / "checkpoint_last.pt").unlink(missing_ok=True)
+{%- endmacro %}
+
+{% macro save_checkpoints() %}
+def save_checkpoints(t, at, names):
+    """DDP change 4: rank 0 alone saves, the state at `at` under each name. (Every
+    rank calls it: the checkpoint's loss sums are added up over the ranks.)"""
+    state = snapshot(t, at)
+    out_dir = Path(t.args.output_dir)
+    by_rank_0(t.device, save_each, state, [out_dir / name for name in names])
+
+
+def save_each(state, paths):
+    """Rank 0: the same checkpoint under each name."""
+    for path in paths:
+        save_atomic(state, path)
+{%- endmacro %}
+
+{% macro snapshot_tensors() %}
+        # DDP change 4: the plain model (not the DDP wrapper, nor torch.compile's), so
+        # the weights load without either and without a "module." prefix in keys.
+        "model": t.model.state_dict(),
+        "optimizer": t.optimizer.state_dict(),
+{%- endmacro %}
+
+{% macro load_checkpoint() %}
+def load_checkpoint(resume, last_path, device):
+    """Return the checkpoint to resume from, or None to start fresh."""
+    path = last_path if resume == "auto" else Path(resume)
+    wanted = resume != "never" and (resume != "auto" or path.exists())
+    checkpoint = load_shared(path if wanted else None, device, "resume from")
+    if checkpoint is None:
+        return None
+    if not {"model", "optimizer", "epoch", "global_batch"} <= set(checkpoint):
+        raise failure(
+            f"error: cannot resume from {path}: not a checkpoint (no model, optimizer, "
+            "epoch and global_batch keys)"
+        )
+    return checkpoint | {"path": str(path)}
+{%- endmacro %}
+
+{% macro load_state() %}
+        model.load_state_dict(weights)
+{%- endmacro %}
+
+{% macro resume_tensors() %}
+        load_weights(t.model, checkpoint["model"], checkpoint["path"], advice)
+        t.optimizer.load_state_dict(checkpoint["optimizer"])
+{%- endmacro %}

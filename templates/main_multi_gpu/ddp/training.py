@@ -1,0 +1,142 @@
+{# parallelism=ddp: how the model trains under DDP, where fsdp2/training.py has
+   its own version. Macros, called by name from the section files
+   (`{{ par.train_step() }}`), in the order the generated file uses them; fsdp2/
+   defines the same names. A macro's text is exactly the lines it stands for: its
+   last newline comes from the line that calls it. #}
+{% set wrapper = "ddp_model" %}
+
+{% macro intro() %}
+# Data-parallel training with PyTorch DistributedDataParallel (DDP): one process per GPU
+# (or two on CPU), each training a replica of the model on its share of every batch.
+# The four changes from a single-GPU script are marked "DDP change N":
+#   1. join the process group described by the launcher's environment
+#   2. a DistributedSampler shards the data, and set_epoch reshuffles it every epoch
+#   3. the model is wrapped in DDP, which averages gradients across processes
+#   4. only rank 0 prints and saves (the plain model, not the DDP wrapper)
+{%- endmacro %}
+
+{% macro docstring() %}
+"""Train a model with DistributedDataParallel, on one machine or several."""
+{%- endmacro %}
+
+{% macro build_model_doc() %}
+    """Return the plain model (DDP wraps it later). Its normalization layers are
+    written inline, nn.BatchNorm2d(C), so they are easy to find and swap."""
+{%- endmacro %}
+
+{% macro compute_loss_doc() %}
+    `model` is the DDP-wrapped model: call it, as here, and nothing else of it.
+{%- endmacro %}
+
+{% macro compute_metrics_doc() %}
+    is val_loss. `model` is the plain model (not DDP, not compiled), in eval mode,
+    without grad and without --amp's autocast.
+{%- endmacro %}
+
+{% macro constants() %}
+CHANNELS_LAST = True  # on GPUs, 2-D convolutions in NHWC: faster
+{%- endmacro %}
+
+{% macro training_fields() %}
+    model: nn.Module  # the plain model: evaluated and saved (DDP change 4)
+    ddp_model: DDP  # the same parameters in the DDP wrapper: trained (DDP change 3)
+{%- endmacro %}
+
+{% macro train_step() %}
+        # DDP change 3: the gradient all-reduce runs in the backward pass of the last
+        # micro-batch of each update only; no_sync() skips it for the others.
+        with contextlib.nullcontext() if sync else t.ddp_model.no_sync():
+            with torch.autocast(device.type, AMP_DTYPES[args.amp], args.amp != "none"):
+                loss, n = compute_loss(t.ddp_model, batch)
+            n = n if real else 0  # a stand-in batch at a stream's end weighs nothing
+            # The loss summed over the batch's n units, at the usual scale (n / batch
+            # size is 1 for a per-sample loss); update() divides by the global units.
+            t.scaler.scale(loss * (n / args.batch_size)).backward()
+{%- endmacro %}
+
+{% macro evaluation_comment() %}
+        # Evaluate the weights rank 0 saves: parameters match on every rank, but
+        # each rank keeps its own BatchNorm running statistics, so take rank 0's.
+        # Use the plain model: DDP's forward would wait for ranks with more
+        # validation batches.
+{%- endmacro %}
+
+{% macro build_training_doc() %}
+    """Data, model, DDP wrapper, optimizer and loss scaler, as build_* say."""
+{%- endmacro %}
+
+{% macro wrap_model() %}
+    memory_format = torch.preserve_format
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True  # fastest kernels for fixed shapes
+        # NHWC weights for 2-D convolutions (which convert their input to match);
+        # models with 5-D weights (3-D convolutions) keep their layout.
+        if CHANNELS_LAST and all(p.dim() < 5 for p in model.parameters()):
+            memory_format = torch.channels_last
+    model.to(device, memory_format=memory_format)
+    optimizer, scheduler = build_optimizer(model, args, total_updates)
+    # float16 needs loss scaling against underflowing gradients; otherwise a no-op.
+    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
+
+    # DDP change 3: wrap the model. Its backward pass averages gradients over all ranks,
+    # so every replica takes the same optimizer step. Train through ddp_model; save
+    # and evaluate the plain model, whose parameters ddp_model trains.
+    device_ids = [device.index] if device.type == "cuda" else None
+    # torch.compile inside DDP: the compiled graph is split at DDP's gradient buckets,
+    # so the all-reduce still overlaps with the backward pass.
+    ddp_model = DDP(
+        torch.compile(model) if args.compile else model,
+        device_ids=device_ids,
+        gradient_as_bucket_view=True,
+    )
+    return Training(
+        args,
+        device,
+        model,
+        ddp_model,
+        optimizer,
+        scheduler,
+        scaler,
+        train_data,
+        train_loader,
+        val_loader,
+        steps_per_pass,
+        total_updates,
+    )
+{%- endmacro %}
+
+{% macro update_doc() %}
+    """One optimizer update, after the backward pass of the last micro-batch (whose
+    all-reduce, DDP change 3, averaged the gradients over the ranks)."""
+{%- endmacro %}
+
+{% macro local_finite() %}
+    finite = torch.isfinite(recent).all() & all_finite(t.model.parameters())
+{%- endmacro %}
+
+{% macro evaluate_batches() %}
+    for batch in loader:
+        WATCH.beat()
+        metrics = compute_metrics(model, to_device(batch, device))
+        for name, (total, n) in metrics.items():
+{%- endmacro %}
+
+{% macro load_for_evaluation() %}
+    saved = load_shared(path, device, "evaluate")
+    torch.manual_seed(args.seed)  # the data build_datasets() makes for this seed
+    _, val_set = datasets(args)
+    model = build_model(args).to(device)
+    load_weights(model, saved["model"] if "optimizer" in saved else saved, path)
+{%- endmacro %}
+
+{% macro compile_flag() %}
+    parser.add_argument(
+        "--compile", action="store_true", help="torch.compile the model inside DDP"
+    )
+{%- endmacro %}
+
+{% macro collectives() %}
+# Where in torch a stack waits for the other ranks: collectives, DDP's forward (it
+# broadcasts buffers) and the backward pass (whose hooks all-reduce gradients).
+COLLECTIVES = ("torch/distributed/", "torch/nn/parallel/", "torch/autograd/")
+{%- endmacro %}

@@ -1,0 +1,354 @@
+# --------------------------------------------------------------------------------------
+# Stops, failures and hangs: say which rank, and where
+# --------------------------------------------------------------------------------------
+COLLECTIVE_GRACE = 30  # seconds a collective may wait beyond --dist-timeout
+STOP_SIGNAL = None  # the first SIGTERM or SIGINT received: stop, save, exit 128 + it
+
+
+def failure(message, status=1):
+    """The exit for a clear error: rank 0 alone prints why, once, and every rank exits
+    with `status` (2: an argument that cannot work)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(message, file=sys.stderr, flush=True)
+    return SystemExit(status)
+
+
+def on_stop_signal(signum, frame):
+    """SIGTERM (how Slurm and Kubernetes preempt) or Ctrl-C (SIGINT): training stops
+    at the next check, saves a checkpoint, and exits with 128 + the signal's number.
+    A second Ctrl-C stops at once, saving nothing."""
+    global STOP_SIGNAL
+    if STOP_SIGNAL is None:
+        STOP_SIGNAL = signum
+    elif signum == signal.SIGINT:
+        stop_now(128 + signum)
+
+
+def leave(status):
+    """End this worker process with `status` as a normal exit would (threads that are
+    not daemons waited for, atexit handlers run: logging's flush, a user's), but
+    without the interpreter's teardown.
+
+    A gloo thread may still hold the last collective's tensors, and letting go of one
+    that Python has dropped takes the GIL. CPython ends a thread that waits for the
+    GIL while the interpreter tears down, and ending a C++ thread that way aborts the
+    process ("terminate called without an active exception"): now and then, a rank
+    died by SIGABRT after a run that had finished and saved.
+    """
+    # What Python's own exit does before the teardown: stop the executors' threads,
+    # wait for the threads that are not daemons, run the atexit handlers.
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def stop_now(status):
+    """Exit at once (from any thread), with this process's DataLoader workers."""
+    for child in multiprocessing.active_children():
+        child.kill()
+    os._exit(status)
+
+
+def stop_loader_workers():
+    """This process's DataLoader workers ignore SIGTERM (see loader_worker_init), so
+    they are killed here rather than left to Python's exit, which would wait for them
+    forever after SIGTERM-ing them."""
+    # Else torch's SIGCHLD handler reports each of these deaths as an error.
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for child in multiprocessing.active_children():
+        child.kill()
+
+
+def keep_freed_memory(limit=1 << 30):
+    """Linux: let freed tensor memory stay in the process for the next step.
+
+    By default glibc hands large freed blocks straight back to the kernel, so every
+    step faults the same memory in again: ~1000 page faults a step and a fifth of the
+    step time for the CPU default here. Blocks up to `limit` bytes now stay reserved.
+    """
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None)
+        if hasattr(libc, "mallopt"):  # glibc (other C libraries: absent or a no-op)
+            libc.mallopt(-3, limit)  # M_MMAP_THRESHOLD: larger blocks get their own map
+            libc.mallopt(-1, limit)  # M_TRIM_THRESHOLD: free heap top kept up to this
+        # The same for processes started from here that do not fork (DataLoader
+        # workers under the spawn or forkserver start method): glibc reads these.
+        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(limit))
+        os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(limit))
+
+
+def spare_the_garbage_collector():
+    """Take the objects made so far (some 170,000, nearly all torch's) out of the
+    garbage collector's view, and at exit all the others too.
+
+    They live as long as the process, yet every full collection walks them all: the
+    ones while torch imports more of itself on first use (torch._dynamo, another
+    120,000) and the last one at exit, about 0.8 s of CPU in each process.
+    gc.freeze() exempts the objects that exist when it is called.
+    """
+    gc.freeze()
+    atexit.register(gc.freeze)
+
+
+# What each rank is doing when the job stalls, as the summary says it.
+WAITS = "waits for the other ranks"
+LOADER = "waits for its DataLoader workers"
+{{ par.collectives() }}
+# This file's functions that wait for the GPU (.item(), .tolist()) right after a
+# collective: with NCCL, a rank waiting for the others stops there.
+HOST_SYNCS = {
+    "check",
+    "totals",
+    "diverged_failure",
+    "evaluate",
+    "load_shared",
+    "by_rank_0",
+    "broadcast_bytes",
+    "preflight",
+}
+# How gloo says that another rank went away (in plain RuntimeErrors).
+LOST = ("closed by peer", "reset by peer", "Timed out waiting", "caused pair closure")
+
+
+class HangWatch:
+    """A thread in every process that ends the job once the process has made no
+    progress for --dist-timeout seconds, instead of letting the others wait in a
+    collective until they time out with an error that names only themselves. Every
+    rank then prints its stack (all threads, and its DataLoader workers'), each line
+    starting with [rank N]; one rank prints where each rank stood; all exit 1.
+
+    Progress is a training or evaluation step (beat), or, between steps (a first
+    step's torch.compile, a save), a change of the main thread's line. A rank that
+    waits longer than the timeout for another's slow work (rank 0 saving a huge
+    checkpoint) counts as stuck too: raise --dist-timeout for such jobs. The ranks
+    agree through the rendezvous store, with no collective: theirs may be stuck.
+    """
+
+    def __init__(self):
+        self.beats, self.done, self.reporting = 0, threading.Event(), False
+
+    def beat(self):
+        self.beats += 1
+
+    def start(self, store, timeout):
+        self.store, self.timeout = store, timeout
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # fresh keys
+        self.prefix = f"hang/{restart}/"
+        self.thread = threading.Thread(target=self.watch, name="hang watch")
+        self.thread.daemon = True
+        self.thread.start()
+
+    def key(self, name):
+        return self.prefix + name
+
+    def stop(self):
+        self.done.set()
+        self.thread.join()
+        faulthandler.cancel_dump_traceback_later()
+
+    def watch(self):
+        try:
+            self.poll()
+        except dist.DistError:  # the store went with its host (rank 0, a launcher),
+            faulthandler.cancel_dump_traceback_later()  # which ends this rank too
+
+    def poll(self):
+        last, since = None, time.monotonic()
+        while not self.done.wait(1.0):
+            # If this thread cannot run (a C call holding the GIL), faulthandler
+            # prints every thread's stack and ends the process in its place.
+            faulthandler.dump_traceback_later(self.timeout + 30, exit=True)
+            now = (self.beats, main_line())
+            if now != last:
+                last, since = now, time.monotonic()
+            elif time.monotonic() - since > self.timeout:
+                self.store.set(self.key("declared"), str(self.rank))
+            if self.store.check([self.key("declared")]):
+                return self.report()
+
+    def report(self):
+        """Print this rank's stack, say where it stands, and end the job. Rank 0
+        summarizes, and leaves last: it may hold the store the others use."""
+        self.reporting = True
+        where, kind = locate(main_frame())
+        print_stacks(self.rank, loader_workers=kind == LOADER)
+        try:
+            self.store.set(self.key(f"where/{self.rank}"), f"{kind}\t{where}")
+            self.count("reported", 1)
+            if self.rank == 0:
+                self.wait_for(lambda: self.count("reported") == self.world_size)
+                self.summarize()
+                self.store.set(self.key("summarized"), "1")
+                self.wait_for(lambda: self.count("left") == self.world_size - 1, 5)
+            else:
+                self.wait_for(lambda: self.store.check([self.key("summarized")]), 15)
+                self.count("left", 1)
+        finally:
+            stop_now(1)
+
+    def count(self, name, add=0):
+        return self.store.add(self.key(name), add)
+
+    def wait_for(self, done, seconds=10):
+        deadline = time.monotonic() + seconds
+        while not done() and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+    def summarize(self):
+        """Where each rank stood, and which one the others are waiting for."""
+        lines, stuck = [], []
+        for rank in range(self.world_size):
+            key = self.key(f"where/{rank}")
+            if not self.store.check([key]):
+                lines.append(f"  rank {rank}: no answer (its Python is blocked)")
+                continue
+            kind, where = self.store.get(key).decode().split("\t")
+            lines.append(f"  rank {rank}: {where}  ({kind})")
+            if kind != WAITS:
+                stuck.append(str(rank))
+        if stuck:
+            who = ("rank " if len(stuck) == 1 else "ranks ") + ", ".join(stuck)
+            verdict = (
+                f"{who}: no progress outside a collective, while the others wait; "
+                f"see the lines above that start with [rank {stuck[0]}]."
+            )
+        else:
+            verdict = (
+                "every rank waits in a collective: not all in the same one (a rank "
+                "skipped or added one), or the network between them stalled."
+            )
+        print(
+            f"hang: no progress for {self.timeout:g} s (--dist-timeout); where each "
+            "rank stood:",
+            *lines,
+            verdict,
+            sep="\n",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+WATCH = HangWatch()
+
+
+def main_frame():
+    """The main thread's innermost frame, seen from another thread."""
+    return sys._current_frames()[threading.main_thread().ident]
+
+
+def main_line():
+    """The main thread's innermost line: the same one, for long, means no progress."""
+    frame = main_frame()
+    return frame.f_code, frame.f_lineno
+
+
+def locate(frame):
+    """Where a stack stands: its innermost line in this file, and what it waits for."""
+    stack = traceback.extract_stack(frame)
+    ours = [entry for entry in stack if in_this_file(entry)]
+    inner = ours[-1] if ours else stack[-1]
+    below = " ".join(entry.filename for entry in stack[stack.index(inner) + 1 :])
+    if "torch/utils/data" in below:
+        kind = LOADER
+    elif any(part in below for part in COLLECTIVES):
+        kind = WAITS  # a collective, DDP's forward, or the gradient all-reduce
+    elif not below and inner.name in HOST_SYNCS:
+        kind = WAITS  # on GPUs: a wait (.item()) for a collective queued before
+    else:
+        kind = "busy outside any collective"
+    return f"{inner.name}, line {inner.lineno}: {inner.line}", kind
+
+
+def in_this_file(entry):
+    return os.path.realpath(entry.filename) == os.path.realpath(__file__)
+
+
+def print_stacks(rank, main_traceback=None, loader_workers=False):
+    """Every thread's stack, each line starting with [rank N] (the main thread's as
+    main_traceback has it, if given); then, if asked, the DataLoader workers'."""
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    frames = sys._current_frames()
+    main = threading.main_thread().ident
+    frames = {main: frames.pop(main), **frames}  # the main thread first
+    lines = []
+    for ident, frame in frames.items():
+        if names.get(ident) == WATCH.thread.name:
+            continue  # it only reports
+        if main_traceback and ident == main:
+            stack = traceback.format_tb(main_traceback)
+        else:
+            stack = traceback.format_stack(frame)
+        lines.append(f"thread {names.get(ident, ident)} (most recent call last):")
+        lines += "".join(stack).rstrip().splitlines()
+    sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in lines))
+    sys.stderr.flush()
+    for child in multiprocessing.active_children() if loader_workers else ():
+        head = f"[rank {rank}] DataLoader worker {child.pid}:"
+        if not handles(child.pid, signal.SIGUSR1):  # the signal would end it
+            print(head, "stuck before its first line (no stack)", file=sys.stderr)
+            continue
+        print(head, file=sys.stderr)
+        sys.stderr.flush()
+        with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+            os.kill(child.pid, signal.SIGUSR1)  # faulthandler prints its stack
+        time.sleep(0.5)  # before the next one, and before they are stopped
+
+
+def handles(pid, signum):
+    """Whether process pid has a handler for signum, as Linux tells (elsewhere:
+    assumed). A DataLoader worker gets its own in loader_worker_init()."""
+    if sys.platform != "linux":
+        return True
+    with contextlib.suppress(OSError):  # gone
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    return False
+
+
+def lost_peer(err):
+    """A collective failed: another rank is gone, or timed out. (gloo says so in plain
+    RuntimeErrors; NCCL and the store raise DistErrors.)"""
+    return isinstance(err, dist.DistError) or any(text in str(err) for text in LOST)
+
+
+def report_lost_peer(err):
+    """This rank's stack, and one line: where it was, and what broke."""
+    rank = dist.get_rank()
+    print_stacks(rank, err.__traceback__)
+    frames = traceback.extract_tb(err.__traceback__)
+    ours = [entry for entry in frames if in_this_file(entry)]
+    where = f"{ours[-1].name}, line {ours[-1].lineno}" if ours else "a collective"
+    reason = str(err).strip().splitlines()[0].split("] ")[-1].split(". ")[0]
+    print(
+        f"[rank {rank}] error: a collective failed in {where} ({reason}); if another "
+        "rank ended, the launcher's line names it",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def quiet_torch_logs(logger, messages):
+    """Drop torch's log lines that repeat what this script says in its own words."""
+    for handler in logging.getLogger(logger).handlers:
+        handler.addFilter(lambda record: record.msg not in messages)
+
+
+def died(rank, signal_name):
+    print(
+        f"error: rank {rank} died ({signal_name}); the other workers were stopped",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def abort_line():
+    """A second Ctrl-C: the workers were killed; say so and exit at once."""
+    print("aborted: a second Ctrl-C stopped the workers at once", file=sys.stderr)
+    sys.stderr.flush()
+    os._exit(128 + signal.SIGINT)
+
+

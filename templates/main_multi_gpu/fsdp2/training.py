@@ -1,0 +1,171 @@
+{# parallelism=fsdp2: how the model trains under FSDP2, where ddp/training.py has
+   its own version. Macros, called by name from the section files
+   (`{{ par.train_step() }}`), in the order the generated file uses them; ddp/
+   defines the same names. A macro's text is exactly the lines it stands for: its
+   last newline comes from the line that calls it. #}
+{% set wrapper = "train_model" %}
+
+{% macro intro() %}
+# Data-parallel training with PyTorch's fully sharded data parallelism (FSDP2): one
+# process per GPU (or two on CPU), each training the model on its share of every batch
+# while holding only 1/world_size of the parameters, gradients and optimizer state.
+# The four changes from a single-GPU script are marked "DDP change N":
+#   1. join the process group described by the launcher's environment
+#   2. a DistributedSampler shards the data, and set_epoch reshuffles it every epoch
+#   3. fully_shard() shards the model's parameters over the processes
+#   4. only rank 0 prints; every rank writes its shards of a checkpoint, and rank 0
+#      the whole model at the end
+{%- endmacro %}
+
+{% macro docstring() %}
+"""Train a model sharded with FSDP2, on one machine or several."""
+{%- endmacro %}
+
+{% macro build_model_doc() %}
+    """Return the plain model (FSDP2 shards it later). Its normalization layers are
+    written inline, nn.BatchNorm2d(C), so they are easy to find and swap."""
+{%- endmacro %}
+
+{% macro compute_loss_doc() %}
+    `model` is the model sharded by FSDP2 (compiled with --compile): call it, as here.
+{%- endmacro %}
+
+{% macro compute_metrics_doc() %}
+    is val_loss. `model` is the sharded model (not compiled), in eval mode, without
+    grad and without --amp's autocast.
+{%- endmacro %}
+
+{% macro constants() %}
+# What every rank holds whole (BatchNorm's buffers, which FSDP2 does not shard, and
+# each rank keeps its own of): rank 0's copy goes into a checkpoint, consistent.
+RANK_0_WRITES_REPLICAS = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+{%- endmacro %}
+
+{% macro training_fields() %}
+    model: nn.Module  # sharded over the ranks (DDP change 3): evaluated and saved
+    train_model: nn.Module  # the same, compiled with --compile: trained
+{%- endmacro %}
+
+{% macro train_step() %}
+        # DDP change 3 (FSDP2): gradients are reduce-scattered over the ranks in the
+        # backward pass of the last micro-batch of each update only.
+        t.model.set_requires_gradient_sync(sync)
+        with torch.autocast(device.type, AMP_DTYPES[args.amp], args.amp != "none"):
+            loss, n = compute_loss(t.train_model, batch)
+        n = n if real else 0  # a stand-in batch at a stream's end weighs nothing
+        # The loss summed over the batch's n units, at the usual scale (n / batch size
+        # is 1 for a per-sample loss); update() divides by the global units.
+        t.scaler.scale(loss * (n / args.batch_size)).backward()
+{%- endmacro %}
+
+{% macro evaluation_comment() %}
+        # Each rank keeps its own BatchNorm running statistics: take rank 0's, which
+        # the checkpoints and model_final.pt hold. Every rank takes every forward.
+{%- endmacro %}
+
+{% macro build_training_doc() %}
+    """Data, model sharded with FSDP2, optimizer and loss scaler, as build_* say."""
+{%- endmacro %}
+
+{% macro wrap_model() %}
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True  # fastest kernels for fixed shapes
+    model.to(device)
+    shard(model, args)  # DDP change 3 (FSDP2), before the optimizer sees the model
+    optimizer, scheduler = build_optimizer(model, args, total_updates)
+    # float16 needs loss scaling against underflowing gradients; otherwise a no-op.
+    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
+    return Training(
+        args,
+        device,
+        model,
+        torch.compile(model) if args.compile else model,
+        optimizer,
+        scheduler,
+        scaler,
+        train_data,
+        train_loader,
+        val_loader,
+        steps_per_pass,
+        total_updates,
+    )
+
+
+def shard(model, args):
+    """DDP change 3 (FSDP2): shard the parameters over the ranks, block by block:
+    fully_shard() on each of sharded_blocks(model), then on the root, which keeps the
+    rest. A block's parameters are gathered from all ranks for its forward and
+    backward, and freed after; its gradients are reduce-scattered. So each rank holds
+    1/world_size of the parameters, of the gradients, and of the optimizer state (the
+    optimizer, built after this, sees the shards)."""
+    # fully_shard() sends nothing: every rank starts from rank 0's weights.
+    for tensor in model.state_dict().values():
+        dist.broadcast(tensor, src=0)
+    for block in reversed(sharded_blocks(model)):  # inner blocks before outer ones
+        fully_shard(block, **precision(block, args))
+    fully_shard(model, **precision(model, args))
+
+
+def sharded_blocks(model):
+    """The modules sharded on their own: the blocks of every nn.ModuleList (such as a
+    transformer's layers), else each child of the root that holds parameters (the
+    default model's layers). Another rule for your model goes here."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    if lists:
+        return [block for blocks in lists for block in blocks]
+    return [child for child in model.children() if list(child.parameters())]
+
+
+def precision(module, args):
+    """With --amp bf16: gather the parameters in bfloat16 and reduce the gradients in
+    float32; not for BatchNorm, whose running statistics stay in float32."""
+    batch_norm = nn.modules.batchnorm._BatchNorm
+    if args.amp != "bf16" or any(isinstance(m, batch_norm) for m in module.modules()):
+        return {}
+    policy = MixedPrecisionPolicy(torch.bfloat16, reduce_dtype=torch.float32)
+    return {"mp_policy": policy}
+{%- endmacro %}
+
+{% macro update_doc() %}
+    """One optimizer update, after the backward pass of the last micro-batch (whose
+    reduce-scatter, DDP change 3, averaged the gradients over the ranks: each rank
+    holds its shard of them, and updates its shard of the parameters)."""
+{%- endmacro %}
+
+{% macro local_finite() %}
+    shards = (p.to_local() for p in t.model.parameters())  # each rank checks its own
+    finite = torch.isfinite(recent).all() & all_finite(shards)
+{%- endmacro %}
+
+{% macro evaluate_batches() %}
+    for batch, real in lockstep(loader):
+        WATCH.beat()
+        metrics = compute_metrics(model, to_device(batch, device))
+        if not real:
+            continue
+        for name, (total, n) in metrics.items():
+{%- endmacro %}
+
+{% macro load_for_evaluation() %}
+    torch.manual_seed(args.seed)  # the data build_datasets() makes for this seed
+    _, val_set = datasets(args)
+    model = build_model(args).to(device)
+    shard(model, args)
+    if path.is_dir():  # a checkpoint folder: its shards, resharded for this run
+        load_shards(model, None, path, "evaluate")
+    else:
+        saved = load_shared(path, device, "evaluate")
+        load_weights(model, saved["model"] if "optimizer" in saved else saved, path)
+{%- endmacro %}
+
+{% macro compile_flag() %}
+    parser.add_argument(
+        "--compile", action="store_true", help="torch.compile the sharded model"
+    )
+{%- endmacro %}
+
+{% macro collectives() %}
+# Where in torch a stack waits for the other ranks: collectives (FSDP2's all-gathers
+# and reduce-scatters among them) and the backward pass (which reduce-scatters).
+COLLECTIVES = ("torch/distributed/", "torch/autograd/")
+{%- endmacro %}

@@ -1,0 +1,98 @@
+# {{ cookiecutter.project_name }}
+#
+{{ par.intro() }}
+# Your data, model, loss, metrics and optimizer go in the five functions under
+# "EDIT HERE"; nothing else in this file needs to change for them.
+{{ par.docstring() }}
+
+import argparse
+import atexit
+import contextlib
+import copy
+import csv
+import ctypes
+import faulthandler
+import gc
+import io
+import itertools
+import logging
+import math
+import multiprocessing
+import os
+{% if not spawn %}
+import shlex
+{% endif %}
+import shutil
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+import warnings
+from collections.abc import Mapping, Sized
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+{% if fsdp %}
+import torch.distributed.checkpoint as dcp
+{% endif %}
+{% if spawn %}
+import torch.multiprocessing as mp
+{% endif %}
+import torch.nn.functional as F
+from torch import nn
+{% if fsdp %}
+from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+{% endif %}
+{% if not spawn %}
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous import RendezvousError
+{% endif %}
+{% if fsdp %}
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+{% endif %}
+{% if not spawn %}
+from torch.distributed.run import get_args_parser
+from torch.distributed.run import main as torchrun
+{% endif %}
+{% if not fsdp %}
+from torch.nn.parallel import DistributedDataParallel as DDP
+{% endif %}
+{% if cookiecutter.use_batch_sampler %}
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    Sampler,
+    Subset,
+    TensorDataset,
+    default_collate,
+    get_worker_info,
+)
+{% else %}
+from torch.utils.data import (
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    Sampler,
+    Subset,
+    TensorDataset,
+    default_collate,
+    get_worker_info,
+)
+{% endif %}
+from tqdm import tqdm
+

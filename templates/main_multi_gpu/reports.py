@@ -1,0 +1,304 @@
+# --------------------------------------------------------------------------------------
+# Reports: progress, metrics.csv, the time per epoch, plots, preflight
+# --------------------------------------------------------------------------------------
+class Reports:
+    """Everything a run reports besides the training itself: the progress bar, where
+    the time goes, the profiler, metrics.csv, TensorBoard and the line per
+    evaluation. Every rank times its own steps; rank 0 alone shows and writes."""
+
+    def __init__(self, t, out_dir):
+        self.t, self.out_dir = t, out_dir
+        self.is_main = dist.get_rank() == 0
+        self.progress = self.profiler = self.writer = None
+        self.start_interval()
+        if t.args.tensorboard:
+            try:
+                import torch.utils.tensorboard  # noqa: F401 (optional: imported here)
+            except ImportError as err:
+                raise failure(
+                    "error: --tensorboard needs TensorBoard: pip install tensorboard"
+                ) from err
+
+        # Optimizer steps are timed by hooks, so the loop carries no timing code.
+        def begin(*_):
+            self.began = self.mark()
+
+        def end(*_):
+            self.updates.append((self.began, self.mark()))
+
+        self.hooks = [
+            t.optimizer.register_step_pre_hook(begin),
+            t.optimizer.register_step_post_hook(end),
+        ]
+{% if fsdp %}
+        self.memory_shown = False
+        self.hooks.append(t.optimizer.register_step_post_hook(self.show_memory))
+
+    def show_memory(self, optimizer, *_):
+        """FSDP2, after the first update (the optimizer's state exists from then on):
+        the memory this rank holds, about 1/world_size of a whole copy's."""
+        if self.memory_shown:
+            return
+        self.memory_shown = True
+        params = list(self.t.model.parameters())
+        grads = [p.grad for p in params if p.grad is not None]
+        state = [s for group in optimizer.state.values() for s in group.values()]
+        sizes = [mib(params), mib(grads), mib(state)]
+        print0(
+            "memory per rank: parameters {:.2f} MiB, gradients {:.2f} MiB, optimizer "
+            "state {:.2f} MiB".format(*sizes)
+        )
+{% endif %}
+
+    def __enter__(self):
+        args = self.t.args
+        if self.is_main and args.profile_steps:
+            self.profiler = torch.profiler.profile(
+                schedule=torch.profiler.schedule(
+                    wait=1, warmup=1, active=args.profile_steps, repeat=1
+                ),
+                on_trace_ready=torch.profiler.tensorboard_trace_handler(
+                    str(self.out_dir / "profile")
+                ),
+            )
+            self.profiler.start()
+        if self.is_main and args.tensorboard:
+            self.writer = torch.utils.tensorboard.SummaryWriter(
+                self.out_dir / "tensorboard"
+            )
+        return self
+
+    def __exit__(self, *exc):
+        for hook in self.hooks:  # they refer to self: let the training state go
+            hook.remove()
+        if self.profiler:
+            self.profiler.stop()  # writes the trace if the run had fewer steps
+        if self.writer:
+            self.writer.close()
+
+    def mark(self):
+        """A point in time; on GPU, an event queued on the stream: no wait for it."""
+        if self.t.device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def start_interval(self):
+        """From here on the next row's numbers: time, samples, steps, updates."""
+        self.since, self.data_s, self.samples = time.perf_counter(), 0.0, 0
+        self.steps, self.updates, self.step = [], [], None
+        self.trained, self.aside_s = self.since, 0.0
+
+    def step_done(self):
+        """The step under way, if any, ends here: time it, and note when training
+        stopped for the row."""
+        if self.step is not None:
+            self.steps.append((self.step, self.mark()))
+            self.step = None
+            self.trained = time.perf_counter()
+
+    @contextlib.contextmanager
+    def aside(self):
+        """Work between steps that is not training (a save): in epoch_s, but kept out
+        of the steps' times and samples_per_s."""
+        tick = time.perf_counter()
+        yield
+        self.aside_s += time.perf_counter() - tick
+
+    def batches(self, data, at):
+        """The pass's (batch, ...) tuples from `data`, timed: the wait for each
+        batch, and each step from its batch to the next request; and counted."""
+        args, per_step = self.t.args, self.t.args.batch_size * dist.get_world_size()
+        of = "" if args.max_steps else f"/{args.epochs}"
+        self.progress = tqdm(
+            total=self.t.steps_per_pass,
+            initial=at.samples // per_step,
+            desc=f"epoch {at.epoch + 1}{of}",
+            leave=False,
+            disable=not (self.is_main and sys.stderr.isatty()),
+        )
+        done = at.samples  # samples of the pass done, over all ranks
+        try:
+            while True:
+                tick = time.perf_counter()
+                item = next(data, None)
+                self.data_s += time.perf_counter() - tick
+                if item is None:
+                    break
+                self.step = self.mark()
+                WATCH.beat()
+                self.samples, done = self.samples + item[2] - done, item[2]
+                yield item
+                self.step_done()
+                self.progress.update()
+                if self.profiler:
+                    self.profiler.step()
+        finally:  # also when the loop stops early (a stop signal, an error)
+            self.progress.close()
+
+    def show_loss(self, loss):
+        if not self.progress.disable:
+            self.progress.set_postfix(loss=f"{loss.item():.4f}")
+
+    def row(self, at, metrics):
+        """An evaluation's row in metrics.csv (and TensorBoard), and its line: the
+        training since the previous row (its steps; saves left out), then the
+        validation metrics. Every rank calls it (the loss is summed over ranks)."""
+        loss_sum, units = self.t.sums.totals(reset=True)
+        row = None
+        if self.is_main:
+            if self.t.device.type == "cuda":
+                torch.cuda.synchronize()  # the events above have all happened
+            step_s = sum(seconds(a, b) for a, b in self.steps)
+            optimizer_s = sum(seconds(a, b) for a, b in self.updates)
+            trained_s = self.trained - self.since - self.aside_s  # saves left out
+            epoch = at.epoch if not at.samples else at.epoch + 1  # done, or under way
+            row = {"epoch": epoch, "step": at.step}
+            row["train_loss"] = loss_sum / units if units else math.nan
+            row |= {f"val_{name}": value for name, value in metrics.items()}
+            row |= {
+                "lr": self.t.optimizer.param_groups[0]["lr"],
+                "samples_per_s": self.samples / trained_s,
+                "epoch_s": time.perf_counter() - self.since,
+                "data_s": self.data_s,
+                "compute_s": step_s - optimizer_s,
+                "optimizer_s": optimizer_s,
+            }
+        by_rank_0(self.t.device, self.write, row)
+        self.start_interval()
+
+    def write(self, row):
+        """Rank 0: the row into metrics.csv and TensorBoard, and as a line."""
+        append_metrics(self.out_dir / "metrics.csv", row)
+        if self.writer:
+            for key, value in row.items():
+                self.writer.add_scalar(key, value, row["step"])
+        args = self.t.args
+        epoch, step = row.pop("epoch"), row.pop("step")
+        if args.max_steps:
+            head = f"step {step}/{args.max_steps}  epoch {epoch}"
+        else:
+            head = f"epoch {epoch}/{args.epochs}  step {step}"
+        print(f"{head}  {one_line(row)}", flush=True)
+
+
+{% if fsdp %}
+def mib(tensors):
+    """MiB of this rank's shards of these tensors (DTensors, or plain ones)."""
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    sizes = [t.numel() * t.element_size() for t in local if torch.is_tensor(t)]
+    return sum(sizes) / 2**20
+
+
+{% endif %}
+def seconds(begin, end):
+    if isinstance(begin, float):
+        return end - begin
+    return begin.elapsed_time(end) / 1000  # call after torch.cuda.synchronize()
+
+
+def start_metrics(out_dir, done):
+    """Make the output folder; keep metrics.csv's rows of the updates already done
+    (none on a fresh start), drop the rest."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "metrics.csv"
+    rows = read_metrics(path) if done else []
+    write_metrics(path, [row for row in rows if int(row["step"]) <= done])
+
+
+def append_metrics(path, row):
+    """Add a row; a column new in it (a metric added on resume) joins the header."""
+    write_metrics(path, [*read_metrics(path), row])
+
+
+def read_metrics(path):
+    if not path.exists():
+        return []
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def write_metrics(path, rows):
+    """Rewrite metrics.csv whole (a row per evaluation: small), atomically."""
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    with replacing(path, "w") as f:
+        writer = csv.DictWriter(f, columns)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({key: text(value) for key, value in row.items()})
+
+
+def text(value):
+    return f"{value:.8g}" if isinstance(value, float) else str(value)
+
+
+def plot_losses(metrics_path, png_path):
+    """Train and validation loss at each evaluation; False without matplotlib."""
+    try:  # optional; a Figure without pyplot draws off-screen and loads faster
+        from matplotlib.figure import Figure
+    except ImportError:
+        return False
+    rows = read_metrics(metrics_path)
+    steps = [int(row["step"]) for row in rows]
+    figure = Figure(figsize=(6, 4))
+    axes = figure.subplots()
+    for key in ("train_loss", "val_loss"):
+        axes.plot(steps, [float(row[key]) for row in rows], marker="o", label=key)
+    axes.set_xlabel("optimizer updates")
+    axes.set_ylabel("loss")
+    axes.legend()
+    figure.tight_layout()
+    with replacing(png_path, "wb") as f:
+        figure.savefig(f, format="png")
+    return True
+
+
+def report_outputs(out_dir, plotted, tensorboard):
+    """One line at the end: where the results are, and how to look at them."""
+    parts = [f"weights {out_dir / 'model_final.pt'}"]
+    parts.append(f"metrics {out_dir / 'metrics.csv'}")
+    if plotted:
+        parts.append(f"plot {out_dir / 'loss.png'}")
+    else:
+        parts[-1] += " (pip install matplotlib for a plot)"
+    if tensorboard:
+        parts.append(f"view: tensorboard --logdir {out_dir / 'tensorboard'}")
+    print("done: " + ", ".join(parts), flush=True)
+
+
+def preflight(device, backend):
+    """Every rank reports where it runs, then one all-reduce and a bandwidth probe."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    ones = torch.ones(1, device=device)
+    dist.all_reduce(ones)
+    if ones.item() != world_size:
+        raise failure(f"error: all-reduce gave {ones.item()}, not {world_size}")
+    payload = torch.ones(8 * 2**20, device=device)  # 32 MiB of float32
+    dist.all_reduce(payload)  # warm-up
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start, repeats = time.perf_counter(), 5
+    for _ in range(repeats):
+        dist.all_reduce(payload)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    each = (time.perf_counter() - start) / repeats
+    # Bus bandwidth, as nccl-tests reports it: what each link carries in a ring.
+    gb_per_s = payload.numel() * 4 * 2 * (world_size - 1) / world_size / each / 1e9
+    label = str(device)
+    if device.type == "cuda":
+        label += f" {torch.cuda.get_device_name(device)}"
+    local_rank = os.environ.get("LOCAL_RANK", "0")
+    row = f"{rank:>4}  {socket.gethostname():<20} {local_rank:>5}  {label:<29}"
+    # Gather the rows as fixed-size byte tensors (all_gather_object would need NumPy).
+    text = f"{row} {gb_per_s:>8.2f}".encode()[:128].ljust(128)
+    mine = torch.tensor(list(text), dtype=torch.uint8, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(gathered, mine)
+    rows = [bytes(t.tolist()).decode().rstrip() for t in gathered]
+    print0(f"preflight: {world_size} ranks, backend {backend}, all-reduce ok")
+    print0(f"{'rank':>4}  {'host':<20} {'local':>5}  {'device':<29} {'GB/s':>8}")
+    print0("\n".join(rows))
+
+

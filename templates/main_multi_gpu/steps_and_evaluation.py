@@ -1,0 +1,194 @@
+class LossSums:
+    """This rank's training loss since the last evaluation, summed over units, and
+    the units, on the device (no sync per step); the units of the update being
+    accumulated; and the losses since the last check(), to name the step where one
+    stopped being finite."""
+
+    def __init__(self, device, args, carried=(0.0, 0.0)):
+        self.loss = torch.tensor(carried[0], dtype=torch.float64, device=device)
+        self.units = torch.tensor(carried[1], dtype=torch.float64, device=device)
+        self.group = torch.zeros((), dtype=torch.float64, device=device)
+        self.recent = torch.zeros(LOG_EVERY * args.grad_accum, device=device)
+        self.count = 0  # losses in recent
+        self.epoch = self.next_step = 0  # the pass and micro-batch of recent[0]
+
+    def start_pass(self, at, batch_size):
+        self.epoch = at.epoch
+        self.next_step = at.samples // (batch_size * dist.get_world_size())
+
+    def add(self, loss, n):
+        loss = loss.detach()
+        self.loss += loss.double() * n
+        self.units += n
+        self.group += n
+        self.recent[self.count] = loss
+        self.count += 1
+
+    def take_group_units(self):
+        units, self.group = self.group, torch.zeros_like(self.group)
+        return units
+
+    def totals(self, reset=False):
+        """(loss sum, units) over all ranks; reset: start counting afresh."""
+        totals = torch.stack([self.loss, self.units])
+        dist.all_reduce(totals)
+        if reset:
+            self.loss.zero_()
+            self.units.zero_()
+        return tuple(totals.tolist())
+
+
+def update(t, units):
+{{ par.update_doc() }}
+    args = t.args
+    # The gradients are of loss sums, averaged over ranks: divide them by the mean
+    # units per rank, so that every update follows the mean loss over all units of
+    # the global batch, for any number of processes and --grad-accum.
+    dist.all_reduce(units)
+    units.clamp_(min=1)  # an update of padding alone: zero gradients, not 0 / 0
+    t.scaler.unscale_(t.optimizer)  # --amp fp16: the true gradients, for clipping
+    grads = [p.grad for p in t.model.parameters() if p.grad is not None]
+    torch._foreach_mul_(grads, args.batch_size * dist.get_world_size() / units)
+    if args.clip_grad_norm:
+        nn.utils.clip_grad_norm_(t.model.parameters(), args.clip_grad_norm)
+    t.scaler.step(t.optimizer)  # skipped when fp16 gradients overflowed
+    t.scaler.update()
+    t.optimizer.zero_grad(set_to_none=True)
+    if t.scheduler:
+        t.scheduler.step()
+
+
+def check(t, reports):
+    """The loop's one wait for the device, every LOG_EVERY updates and before every
+    evaluation and save: every rank learns whether any rank got SIGTERM (returns
+    True), or saw a loss or weights that are not finite (then the run stops, saving
+    nothing)."""
+    sums = t.sums
+    recent = sums.recent[: sums.count]
+{{ par.local_finite() }}
+    stopping = float(STOP_SIGNAL is not None)
+    flags = torch.stack([finite.new_full((), stopping, dtype=torch.float64), ~finite])
+    dist.all_reduce(flags)
+    stop, diverged = flags.tolist()
+    if diverged:
+        raise diverged_failure(recent, sums.next_step, sums.epoch, t.device)
+    if len(recent):
+        reports.show_loss(recent.mean())
+    sums.next_step += sums.count
+    sums.count = 0
+    return stop > 0
+
+
+def all_finite(tensors):
+    return torch.stack([tensor.isfinite().all() for tensor in tensors]).all()
+
+
+def diverged_failure(recent, first_step, epoch, device):
+    """The error for a loss or weights that stopped being finite: the first such step
+    over all ranks, with its rank and value."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    bad = (~torch.isfinite(recent)).nonzero().flatten().tolist()
+    first = (first_step + bad[0]) * world_size + rank if bad else math.inf
+    first = torch.tensor(float(first), dtype=torch.float64, device=device)
+    dist.all_reduce(first, op=dist.ReduceOp.MIN)
+    if not math.isfinite(first.item()):
+        where = f"the weights stopped being finite in epoch {epoch + 1}"
+    else:
+        step, bad_rank = divmod(int(first.item()), world_size)
+        value = recent[step - first_step] if bad_rank == rank else torch.zeros(())
+        value = value.to(device)
+        dist.broadcast(value, src=bad_rank)
+        where = (
+            f"the loss is {value.item()} in epoch {epoch + 1} at batch {step + 1} "
+            f"(rank {bad_rank})"
+        )
+    return failure(
+        f"error: {where}; stopped without saving it. Try a lower --lr, "
+        "--clip-grad-norm 1.0, or --amp bf16 instead of fp16"
+    )
+
+
+def stopped(last_path, at, batch_size):
+    """After the checkpoint a stop signal asked for: one line, and the exit status."""
+    # The signal this rank got; a rank stopped by another's signal reports SIGTERM.
+    signum = STOP_SIGNAL or signal.SIGTERM
+    word = "interrupted" if signum == signal.SIGINT else "preempted"
+    print0(
+        f"{word}: saved {last_path} {where(at, batch_size)}; run again to resume "
+        "(--resume auto)"
+    )
+    return 128 + signum
+
+
+def where(at, batch_size):
+    """A position as the run's lines say it: "after epoch 2", "in epoch 3 after 20
+    batches" (each process's batches, --batch-size each: with --grad-accum 2, two
+    batches make an optimizer update)."""
+    if not at.samples:
+        return f"after epoch {at.epoch}"
+    batches = at.samples // (batch_size * dist.get_world_size())
+    return f"in epoch {at.epoch + 1} after {batches} batch{'es' * (batches != 1)}"
+
+
+@torch.no_grad()
+def evaluate(model, loader, device):
+    """compute_metrics over the whole validation set, exact for any world size: each
+    metric's sum and n are added up over batches and ranks, then divided."""
+    model.eval()
+    sums = {}  # name -> float64 [sum, n] on the device
+{{ par.evaluate_batches() }}
+            if name not in sums:
+                sums[name] = torch.zeros(2, dtype=torch.float64, device=device)
+            sums[name][0] += total
+            sums[name][1] += n
+    model.train()
+    # Rank 0 has validation data unless there is none; a rank without any takes its
+    # names.
+    names = broadcast_bytes("\n".join(sums).encode(), device).decode().split("\n")
+    if names == [""]:
+        raise failure("error: build_datasets() returned an empty validation stream")
+    if "loss" not in names:
+        raise failure("error: compute_metrics must return a 'loss' entry")
+    zero = torch.zeros(2, dtype=torch.float64, device=device)
+    totals = torch.stack([sums.get(name, zero) for name in names])
+    dist.all_reduce(totals)  # sum over ranks
+    values = zip(names, totals.tolist(), strict=True)
+    return {name: s / n if n else math.nan for name, (s, n) in values}
+
+
+{% if fsdp %}
+def lockstep(loader):
+    """FSDP2: this rank's validation batches as (batch, real), where each forward
+    gathers the parameters from every rank: so every rank takes as many as the rank
+    with the most, the others padding with stand-ins (real False) that count nothing."""
+    if isinstance(loader.dataset, StreamShard):  # a stream: it pads itself
+        for batch, real, *_ in loader:
+            yield batch, real
+        return
+    shard = loader.dataset  # every world_size-th sample of the set, from this rank's
+    most = math.ceil(len(shard.dataset) / dist.get_world_size())  # rank 0's
+    batch = None
+    for batch in loader:
+        yield batch, True
+    if batch is None:  # fewer samples than ranks: this one has none
+        batch = loader.collate_fn([shard.dataset[0]])
+    for _ in range(math.ceil(most / loader.batch_size) - len(loader)):
+        yield batch, False
+
+
+{% endif %}
+def evaluate_saved(args, device):
+    """--evaluate PATH: the exact evaluation above, on every rank, of the weights in
+    PATH (model_final.pt, or a checkpoint's); one line of metrics, nothing written."""
+    path = Path(args.evaluate)
+{{ par.load_for_evaluation() }}
+    metrics = evaluate(model, build_val_loader(val_set, args, device), device)
+    print0(f"evaluate {path}  {one_line(metrics, 'val_')}")
+    return 0
+
+
+def one_line(values, prefix=""):
+    """name value pairs as a run's lines show them: "val_loss 2.3  val_acc 0.1"."""
+    return "  ".join(f"{prefix}{name} {value:.6g}" for name, value in values.items())
+
+

@@ -1,0 +1,116 @@
+{# launcher=torchrun: what main_multi_gpu.py says and does when torchrun starts the
+   workers, where spawn.py has its own version: macros called from the section files
+   (`{{ launcher.launching() }}`), in the order the generated file uses them. #}
+
+{% macro port_in_use() %}
+        return (  # a port torchrun picked free for the workers
+            f"error: port {address} is in use (another program took it after "
+            "torchrun picked it); run the job again"
+        )
+{%- endmacro %}
+
+{% macro launcher_flags() %}
+    parser.add_argument(
+        "--torchrun",
+        metavar="OPTIONS",
+        help="run torchrun with these options in this process, to start the workers "
+        "(as the run scripts do)",
+    )
+    # DDP change 1: torch.distributed.launch passes --local-rank=N; LOCAL_RANK from the
+    # environment (set by torchrun and by torch.distributed.launch) is what counts.
+{%- endmacro %}
+
+{% macro launching() %}
+# --------------------------------------------------------------------------------------
+# Launching: one worker process per GPU (or 2 on a CPU)
+# --------------------------------------------------------------------------------------
+# torchrun's log lines that repeat what the workers or launch() say themselves.
+TORCHRUN_CHATTER = {
+    "Received %s death signal, shutting down workers",
+    "Sending process %s closing signal %s",
+    "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s",
+}
+
+
+def launch(options, timeout, backend):
+    """DDP change 1, as the run scripts start it: torchrun, with these options, starts
+    one worker per GPU (and restarts them all after a failure, with MAX_RESTARTS). It
+    runs inside this process, not as the torchrun command, so that a failure, Ctrl-C
+    or SIGTERM ends in one line and the exit status the README gives: the workers', or
+    128 + the signal that stopped them. After a signal, torchrun gives the workers
+    `timeout` seconds (--dist-timeout) to save and stop before it kills them. A
+    `backend` (--backend) that cannot serve the workers stops it before they start.
+    """
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun sets it, silently
+    spare_the_garbage_collector()
+    quiet_torch_logs("torch.distributed", TORCHRUN_CHATTER)
+    stops = []  # signals received
+
+    def on_signal(signum, frame):
+        stops.append(signum)
+        if len(stops) == 1:  # torchrun passes it to the workers, which save and stop
+            name = signal.Signals(signum)
+            raise SignalException(f"got {name.name}", sigval=name)
+        if signum == signal.SIGINT:  # a second Ctrl-C: stop the workers at once
+            for pid in children():
+                with contextlib.suppress(ProcessLookupError):  # it ended already
+                    os.killpg(pid, signal.SIGKILL)
+            abort_line()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, on_signal)
+    # The workers run this file with the same arguments; torchrun leaves SIGTERM and
+    # SIGINT to the handler above.
+    command = [*shlex.split(options), "--signals-to-handle=SIGHUP,SIGQUIT"]
+    command.append(f"--shutdown-timeout={math.ceil(timeout)}")
+    parsed = get_args_parser().parse_args([*command, __file__])
+    nproc = parsed.nproc_per_node
+    problem = cuda_problem(backend, int(nproc) if nproc.isdigit() else 1)
+    if problem:
+        raise failure(problem)
+    try:
+        torchrun([*command, __file__, *sys.argv[1:]])
+    except SignalException:
+        return 128 + stops[0]
+    except (RendezvousError, dist.DistError) as err:
+        print(rendezvous_failed(err, endpoint(parsed)), file=sys.stderr, flush=True)
+        return 1
+    except ChildFailedError as error:
+        rank, failed = min(error.failures.items(), key=lambda item: blame(item[1]))
+        if failed.exitcode < 0:
+            died(rank, failed.signal_name())
+            return 1
+        return failed.exitcode  # the worker said why
+    return 0
+
+
+def endpoint(options):
+    """host:port of the rendezvous that torchrun's (parsed) options name."""
+    if options.standalone:  # torchrun picks a free local port
+        return "localhost"
+    return options.rdzv_endpoint or f"{options.master_addr}:{options.master_port}"
+
+
+def blame(failed):
+    """Sort key for a failed worker, the cause first: killed by a signal; exited (and
+    said why); killed by SIGTERM, which is torchrun stopping the others."""
+    return failed.exitcode == -signal.SIGTERM, failed.exitcode >= 0
+
+
+def children():
+    """This process's child processes (the workers), from /proc: Linux only, like a
+    second Ctrl-C's stopping them at once (elsewhere torchrun stops them after
+    --dist-timeout)."""
+    pids = []
+    for task in Path("/proc/self/task").glob("*/children"):
+        with contextlib.suppress(OSError):
+            pids += [int(pid) for pid in task.read_text().split()]
+    return pids
+
+
+if __name__ == "__main__":
+    args = parse_args()
+    if args.torchrun and "RANK" not in os.environ:
+        sys.exit(launch(args.torchrun, args.dist_timeout, args.backend))
+    leave(run(args))
+{%- endmacro %}

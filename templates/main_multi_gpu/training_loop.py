@@ -1,0 +1,313 @@
+# --------------------------------------------------------------------------------------
+# The training loop, and the four DDP changes
+# --------------------------------------------------------------------------------------
+LOG_EVERY = 20  # optimizer updates between progress reports and checks (each waits)
+{{ par.constants() }}
+AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def run(args):
+    """One process's life: join the group, train (or check), always leave the group.
+
+    Returns the exit status: 0; 1 when another rank was lost; 1 or 2 after a clear
+    error line (failure()); or 128 + the signal that stopped training.
+    """
+    keep_freed_memory()  # before any tensor, and so before any DataLoader worker
+    spare_the_garbage_collector()
+    faulthandler.enable()  # a crash in C code (an abort) still shows the Python stack
+{% if not spawn %}
+    # A torchrun worker runs in a session of its own: were torchrun killed (kill -9,
+    # out of memory), it would train on alone, holding its GPU. It gets SIGTERM
+    # instead, so it saves and stops.
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        signal_when_parent_ends(signal.SIGTERM)
+{% endif %}
+    device, store = setup_distributed(args.backend, args.dist_timeout)
+    # From here on, SIGTERM and Ctrl-C stop training at the next check, with a save.
+    # (Before, SIGTERM ends the process at once; the rendezvous waits in C++, where a
+    # Python handler would not run.)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, on_stop_signal)
+    WATCH.start(store, args.dist_timeout)
+    try:
+        if args.preflight:
+            preflight(device, dist.get_backend())
+            status = 0
+        elif args.evaluate:
+            status = evaluate_saved(args, device)
+        else:
+            status = train(args, device)
+        dist.barrier()  # everyone finishes together, after rank 0's last save
+    except RuntimeError as err:
+        if not lost_peer(err):
+            raise
+        if WATCH.reporting:  # the other ranks left after a hang report: finish it
+            WATCH.thread.join()
+        report_lost_peer(err)
+        status = 1
+    except SystemExit as stop:  # failure(): rank 0 has said why
+        status = stop.code
+    finally:
+        WATCH.stop()
+        stop_loader_workers()
+        dist.destroy_process_group()
+    return status
+
+
+def cuda_problem(backend, processes_here):
+    """Why `backend` cannot serve this machine's processes, as an error line; or None.
+
+    The launchers ask before they start any process: were the ranks to find it out
+    alone, a launcher could stop rank 0, which says it, after another rank exits.
+    """
+    if backend == "nccl" and not torch.cuda.is_available():
+        return "error: --backend nccl needs a CUDA GPU; none is visible"
+    if backend == "nccl" and processes_here > torch.cuda.device_count():
+        return (
+            f"error: {processes_here} processes on this machine, "
+            f"{torch.cuda.device_count()} GPUs visible: NCCL needs one GPU per process"
+        )
+    return None
+
+
+def setup_distributed(backend, timeout):
+    """DDP change 1: join the process group and pick this process's device.
+
+    A single-GPU script would only pick a device.
+    """
+    cuda = torch.cuda.is_available()
+    if backend == "auto":
+        backend = "nccl" if cuda else "gloo"
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    problem = cuda_problem(backend, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    if problem:
+        raise failure(problem)
+    if cuda:
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)  # before anything else touches CUDA
+    else:
+        device = torch.device("cpu")
+    timeout = timedelta(seconds=timeout)
+{% if not spawn %}
+    if "RANK" not in os.environ:  # started without a launcher: a group of one
+        store = dist.HashStore()
+        dist.init_process_group(backend, store=store, rank=0, world_size=1)
+        return device, store
+{% endif %}
+    address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    try:
+        # The rendezvous (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) gives a store the
+        # hang watch uses too. A collective may wait COLLECTIVE_GRACE longer than the
+        # timeout, so that the hang watch, which acts at the timeout, reports first.
+        store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout + timedelta(seconds=COLLECTIVE_GRACE),
+        )
+    except dist.DistError as err:  # every rank says why: each may be on its own machine
+        sys.exit(rendezvous_failed(err, address))
+    return device, store
+
+
+def rendezvous_failed(err, address):
+    """The one line for a rendezvous that failed: why, and what to check."""
+    reason = str(err).strip().splitlines()[0]
+    if "EADDRINUSE" in reason:
+{{ launcher.port_in_use() }}
+{% if multi %}
+    return (
+        f"error: rendezvous with {address} failed ({reason}); check MASTER_ADDR, "
+        "MASTER_PORT, NNODES, the firewall, and that every node was started"
+    )
+{% else %}
+    return f"error: rendezvous with {address} failed ({reason})"
+{% endif %}
+
+
+def print0(*args, **kwargs):
+    """DDP change 4: only rank 0 prints, so messages appear once, not once per rank."""
+    if dist.get_rank() == 0:
+        print(*args, **kwargs, flush=True)
+
+
+@dataclass
+class Training:
+    """What the loop works with, built once by build_training()."""
+
+    args: argparse.Namespace
+    device: torch.device
+{{ par.training_fields() }}
+    optimizer: torch.optim.Optimizer
+    scheduler: object  # an LR scheduler, or None
+    scaler: torch.amp.GradScaler
+    train_data: object  # what places a pass: a ResumableSampler, or a StreamShard
+    train_loader: DataLoader
+    val_loader: DataLoader
+    steps_per_pass: int  # micro-batches per pass and rank (None: a stream's, unknown)
+    total_updates: int  # optimizer updates in the whole run
+    sums: object = None  # the LossSums of the training since the last evaluation
+{% if strategy == "best" %}
+    best_val_loss: float = math.inf
+{% endif %}
+
+
+@dataclass
+class Position:
+    """Where training stands, as a checkpoint keeps it."""
+
+    epoch: int = 0  # passes over the training data done
+    samples: int = 0  # samples of the pass under way trained, over all ranks
+    step: int = 0  # optimizer updates done
+    stream: dict = None  # the training stream's state_dict() there, where it has one
+
+
+def train(args, device):
+    """Build, resume, train pass by pass, save. Returns the exit status: 0, or
+    128 + the signal (SIGTERM, Ctrl-C) that stopped it after saving a checkpoint."""
+    out_dir = Path(args.output_dir)
+{{ saving.last_path() }}
+    checkpoint = load_checkpoint(args.resume, last_path, device)
+    t = build_training(args, device, checkpoint)
+    at = resume(t, checkpoint, out_dir)
+    with Reports(t, out_dir) as reports:
+        while not finished(t, at):
+            if train_pass(t, at, reports):  # a stop signal: saved, so stop
+                return stopped(last_path, at, args.batch_size)
+{{ saving.final_weights() }}
+    by_rank_0(device, save_final, weights, out_dir, args.tensorboard)
+    return 0
+
+
+def save_final(weights, out_dir, tensorboard):
+    """Rank 0, at the run's end: model_final.pt, the plot, and where they are."""
+    save_atomic(weights, out_dir / "model_final.pt")
+{% if strategy == "final_only" %}
+    # final_only: the checkpoint a stop or --save-every wrote goes
+{{ saving.remove_last_checkpoint() }}
+{% endif %}
+    plotted = plot_losses(out_dir / "metrics.csv", out_dir / "loss.png")
+    report_outputs(out_dir, plotted, tensorboard)
+
+
+def finished(t, at):
+    if t.args.max_steps:
+        return at.step >= t.args.max_steps
+    return at.epoch >= t.args.epochs
+
+
+def train_pass(t, at, reports):
+    """Train on this rank's share of a pass, from `at` to the pass's end (or to
+    --max-steps): forward, backward, an optimizer update every --grad-accum
+    micro-batches, and after each update what falls due (a check, an evaluation, a
+    save). Returns True when a stop signal asks to stop, after saving."""
+    args, device = t.args, t.device
+    t.{{ par.wrapper }}.train()
+    # Per-rank randomness (dropout, augmentation): the same after a resume at a pass
+    # boundary; after a mid-pass stop, the rest of the pass differs.
+    torch.manual_seed(args.seed + at.epoch * dist.get_world_size() + dist.get_rank())
+    t.sums.start_pass(at, args.batch_size)
+    micro = 0  # micro-batches of this pass in this run
+    for batch, real, position, last, state in reports.batches(pass_data(t, at), at):
+        batch = to_device(batch, device)
+        micro += 1
+        sync = micro % args.grad_accum == 0 or last
+{{ par.train_step() }}
+        t.sums.add(loss, n)
+        if sync:
+            update(t, t.sums.take_group_units())
+            at.step, at.samples, at.stream = at.step + 1, position, state
+            if last:  # the pass is done
+                at.epoch, at.samples, at.stream = at.epoch + 1, 0, None
+            if after_update(t, at, reports, last):
+                return True
+            if at.step == args.max_steps:
+                return False
+    if not micro:
+        raise failure("error: build_datasets() returned an empty training stream")
+    return False
+
+
+def pass_data(t, at):
+    """This rank's batches of the pass from `at` on, each as (batch, real: False for
+    a stand-in, the pass's samples done after it over all ranks, whether it ends the
+    pass, the stream's state_dict() there or None)."""
+    # DDP change 2: a new shuffle each pass, the same on every rank. Without this
+    # call every pass repeats the first one's order.
+{% if cookiecutter.use_batch_sampler %}
+    # (The BatchSampler draws from this same sampler, so it follows.)
+{% endif %}
+    t.train_data.set_epoch(at.epoch, at.samples, at.stream)
+    if isinstance(t.train_data, StreamShard):
+        yield from t.train_loader  # it says all of that itself
+        return
+    start, per_step = at.samples, t.args.batch_size * dist.get_world_size()
+    total = len(t.train_data.sampler) * dist.get_world_size()  # padded to equal shares
+    steps = len(t.train_loader)
+    for j, batch in enumerate(t.train_loader, 1):
+        yield batch, True, min(start + j * per_step, total), j == steps, None
+
+
+def after_update(t, at, reports, last):
+    """What falls due after an update: every LOG_EVERY updates a check; an
+    evaluation at --eval-every, a pass's end and the run's end; a checkpoint at
+{% if strategy == "final_only" %}
+    --save-every and a stop signal. Returns True when a stop signal asks to stop
+    (after saving)."""
+{% elif strategy == "best" %}
+    --save-every, a pass's end, the run's end, a stop signal and a better
+    evaluation. Returns True when a stop signal asks to stop (after saving)."""
+{% else %}
+    --save-every, a pass's end, the run's end and a stop signal. Returns True when a
+    stop signal asks to stop (after saving)."""
+{% endif %}
+    args = t.args
+    end = last or at.step == args.max_steps
+    evaluating = end or (args.eval_every and at.step % args.eval_every == 0)
+    saving = args.save_every and at.step % args.save_every == 0
+    if not (evaluating or saving or at.step % LOG_EVERY == 0):
+        return False
+    stop = check(t, reports) and not finished(t, at)
+    reports.step_done()  # the step ends here: evaluations and saves are not training
+{% if strategy == "best" %}
+    names = []  # the checkpoints to write
+{% endif %}
+    if evaluating:
+{{ par.evaluation_comment() }}
+        for buffer in t.model.buffers():
+            dist.broadcast(buffer, src=0)
+        metrics = evaluate(t.model, t.val_loader, t.device)
+        reports.row(at, metrics)
+{% if strategy == "best" %}
+        if metrics["loss"] < t.best_val_loss:
+            t.best_val_loss = metrics["loss"]
+            names.append("checkpoint_best{{ saving.ext }}")
+    if stop or saving or end:
+        names.append("checkpoint_last{{ saving.ext }}")
+    if names:
+        with reports.aside():  # not training: kept out of the step times
+            save_checkpoints(t, at, names)
+{% elif strategy == "every_epoch" %}
+    if stop or saving or end:
+        names = ["checkpoint_last{{ saving.ext }}"]
+        if last:
+            names.append(f"checkpoint_epoch{at.epoch:03d}{{ saving.ext }}")
+        with reports.aside():  # not training: kept out of the step times
+            save_checkpoints(t, at, names)
+{% elif strategy == "final_only" %}
+    if stop or saving:  # final_only keeps none at a pass's end
+        with reports.aside():  # not training: kept out of the step times
+            save_checkpoints(t, at, ["checkpoint_last{{ saving.ext }}"])
+{% else %}
+    if stop or saving or end:
+        with reports.aside():  # not training: kept out of the step times
+            save_checkpoints(t, at, ["checkpoint_last{{ saving.ext }}"])
+{% endif %}
+    return stop
+
+
+{{ saving.save_checkpoints() }}
+
+
