@@ -24,7 +24,7 @@ def main():
     torch.manual_seed(args.seed)
     project, train_set = common.load_project(args)
     loader = common.shuffled_loader(train_set, args, accelerator.device.type == "cuda")
-    model = project.build_model(args)
+    model = common.gpu_settings(project.build_model(args), accelerator.device)
     optimizer = common.sgd(model, args)
     # Accelerate steps a prepared scheduler once per process for every optimizer step,
     # so the same warm-up is written in batches of the whole (unsharded) loader.

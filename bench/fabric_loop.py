@@ -30,7 +30,7 @@ def main():
     project, train_set = common.load_project(args)
     loader = common.shuffled_loader(train_set, args, fabric.device.type == "cuda")
     loader = fabric.setup_dataloaders(loader)  # shards; moves batches to the device
-    model = project.build_model(args)
+    model = common.gpu_settings(project.build_model(args), fabric.device)
     optimizer = common.sgd(model, args)
     warmup = len(loader)  # steps per process: the generated project's schedule
     scheduler = torch.optim.lr_scheduler.LambdaLR(

@@ -37,7 +37,7 @@ def main():
         num_workers=args.num_workers,
         pin_memory=device.type == "cuda",
     )
-    model = project.build_model(args).to(device)
+    model = common.gpu_settings(project.build_model(args).to(device), device)
     model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
     optimizer = common.sgd(model, args)
     warmup = len(loader)  # the generated project's warm-up schedule, for equal maths

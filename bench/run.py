@@ -119,7 +119,7 @@ def reexec_in_venv(names):
         os.execv(VENV_PYTHON, [str(VENV_PYTHON), *sys.argv])
     raise SystemExit(
         f"error: {', '.join(missing)} not importable; install the bench requirements:\n"
-        f"  python3 -m venv --system-site-packages {BENCH / '.venv'}\n"
+        f"  python3 -m venv {BENCH / '.venv'}\n"
         f"  {VENV_PYTHON} -m pip install -r {BENCH / 'requirements.txt'}"
     )
 

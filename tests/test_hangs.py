@@ -23,8 +23,8 @@ from test_faults import watch
 
 TIMEOUT = 5  # --dist-timeout, seconds without progress
 # Start-up (imports, rendezvous, DDP) and two steps, then the timeout, then the
-# report; generous for a loaded 2-core machine, and far below the 35 s a collective
-# waits (--dist-timeout + 30) before it fails on its own.
+# report; generous for a loaded 2-core machine, and below the 40 s a collective
+# waits (2 x --dist-timeout + 30) before it fails on its own.
 LIMIT = 45
 ARGS = [*TINY, "--dist-timeout", str(TIMEOUT)]
 

@@ -31,9 +31,10 @@ def plain(value):
 
 
 def save_atomic(obj, path):
-    """torch.save(obj) to `path`, whole or not at all (see replacing)."""
+    """torch.save(obj) to `path`, whole or not at all (see replacing), on the CPU: it
+    loads on a machine without a GPU, and never onto cuda:0 of another job."""
     with replacing(path, "wb") as f:
-        torch.save(obj, f)
+        torch.save(to_device(obj, torch.device("cpu")), f)
 
 
 @contextlib.contextmanager

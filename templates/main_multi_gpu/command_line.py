@@ -64,23 +64,18 @@ def at_least(least, most=math.inf):
     return number
 
 
-def positive(text):
-    """An argparse type: a number above 0 (and finite)."""
-    value = float(text)
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be above 0, not {text}")
-    return value
+def real(least, above=False):
+    """An argparse type: a finite number of at least `least` (or above it)."""
 
+    def number(text):
+        value = float(text)
+        if not (value > least if above else value >= least) or value == math.inf:
+            word = "above" if above else "at least"
+            raise argparse.ArgumentTypeError(f"must be {word} {least}, not {text}")
+        return value
 
-def not_negative(text):
-    """An argparse type: a number of at least 0 (and finite)."""
-    value = float(text)
-    if not 0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be at least 0, not {text}")
-    return value
-
-
-positive.__name__ = not_negative.__name__ = "float"  # "invalid float value: ..."
+    number.__name__ = "float"  # argparse: "invalid float value: ..."
+    return number
 
 
 def add_training_arguments(parser):
@@ -97,7 +92,7 @@ def add_training_arguments(parser):
     )
     parser.add_argument(
         "--lr",
-        type=not_negative,
+        type=real(0),
         default=0.1,
         metavar="F",
         help="learning rate (0 trains nothing: a probe of data, evaluation, speed)",
@@ -154,7 +149,7 @@ def add_training_arguments(parser):
     )
     parser.add_argument(
         "--clip-grad-norm",
-        type=positive,
+        type=real(0, above=True),
         metavar="F",
         help="clip the gradients' norm to F before each update",
     )
@@ -202,6 +197,12 @@ def add_speed_arguments(parser):
     )
 {{ par.compile_flag() }}
     parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="deterministic algorithms, no cudnn.benchmark, no TF32: GPU runs repeat "
+        "bit for bit, somewhat slower",
+    )
+    parser.add_argument(
         "--profile-steps",
         type=at_least(0),
         default=0,
@@ -224,7 +225,7 @@ def add_running_arguments(parser):
     )
     parser.add_argument(
         "--dist-timeout",
-        type=positive,
+        type=real(0, above=True),
         metavar="S",
         default=os.environ.get("DIST_TIMEOUT", "600"),
         help="seconds to wait for the other processes at start-up, and that a process "

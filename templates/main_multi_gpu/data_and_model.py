@@ -28,17 +28,6 @@ def build_training(args, device, checkpoint):
         )
     else:
         total_updates = args.epochs * math.ceil(steps_per_pass / args.grad_accum)
-    model = build_model(args)
-{% if cookiecutter.sync_bn %}
-    if device.type == "cuda":
-        # DDP change 3a: BatchNorm statistics over the global batch, not per rank.
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    else:
-        print0(
-            "warning: SyncBatchNorm runs on GPUs only; training with BatchNorm on CPU",
-            file=sys.stderr,
-        )
-{% endif %}
 {{ par.wrap_model() }}
 
 
@@ -200,9 +189,10 @@ def signal_when_parent_ends(signum):
 
 
 def to_device(batch, device):
-    """Move every tensor of a batch (a tensor, or tuples, lists and dicts of them)."""
+    """Move every tensor of a batch (a tensor, or tuples, lists and dicts of them); to
+    a GPU without waiting, to the CPU whole (a copy not yet done would be read)."""
     if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
+        return batch.to(device, non_blocking=device.type != "cpu")
     if isinstance(batch, Mapping):  # dict, or e.g. transformers' BatchEncoding
         return {key: to_device(value, device) for key, value in batch.items()}
     if isinstance(batch, (list, tuple)):

@@ -1,7 +1,7 @@
 # --------------------------------------------------------------------------------------
 # Stops, failures and hangs: say which rank, and where
 # --------------------------------------------------------------------------------------
-COLLECTIVE_GRACE = 30  # seconds a collective may wait beyond --dist-timeout
+COLLECTIVE_GRACE = 30  # seconds a collective waits beyond twice --dist-timeout
 STOP_SIGNAL = None  # the first SIGTERM or SIGINT received: stop, save, exit 128 + it
 
 
@@ -62,12 +62,9 @@ def stop_loader_workers():
 
 
 def keep_freed_memory(limit=1 << 30):
-    """Linux: let freed tensor memory stay in the process for the next step.
-
-    By default glibc hands large freed blocks straight back to the kernel, so every
-    step faults the same memory in again: ~1000 page faults a step and a fifth of the
-    step time for the CPU default here. Blocks up to `limit` bytes now stay reserved.
-    """
+    """Linux: let freed tensor memory stay in the process for the next step. glibc
+    hands large freed blocks straight back to the kernel, so every step faulted the
+    same memory in again (a fifth of the step time for the CPU default here)."""
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None)
         if hasattr(libc, "mallopt"):  # glibc (other C libraries: absent or a no-op)
@@ -80,14 +77,9 @@ def keep_freed_memory(limit=1 << 30):
 
 
 def spare_the_garbage_collector():
-    """Take the objects made so far (some 170,000, nearly all torch's) out of the
-    garbage collector's view, and at exit all the others too.
-
-    They live as long as the process, yet every full collection walks them all: the
-    ones while torch imports more of itself on first use (torch._dynamo, another
-    120,000) and the last one at exit, about 0.8 s of CPU in each process.
-    gc.freeze() exempts the objects that exist when it is called.
-    """
+    """Exempt the objects made so far (some 170,000, nearly all torch's), and at exit
+    all the others, from full garbage collections: they live as long as the process,
+    yet each one walked them all (about 0.8 s of CPU in each process)."""
     gc.freeze()
     atexit.register(gc.freeze)
 
@@ -96,18 +88,12 @@ def spare_the_garbage_collector():
 WAITS = "waits for the other ranks"
 LOADER = "waits for its DataLoader workers"
 {{ par.collectives() }}
-# This file's functions that wait for the GPU (.item(), .tolist()) right after a
-# collective: with NCCL, a rank waiting for the others stops there.
-HOST_SYNCS = {
-    "check",
-    "totals",
-    "diverged_failure",
-    "evaluate",
-    "load_shared",
-    "by_rank_0",
-    "broadcast_bytes",
-    "preflight",
-}
+# With NCCL a collective only queues work on the GPU: a rank waiting for the others
+# stops at its next wait for the GPU instead. This file's functions that wait so
+# (.item(), .tolist(), a copy), and torch's: GradScaler's check for infs, clipping.
+HOST_SYNCS = {"check", "totals", "diverged_failure", "evaluate", "load_shared"}
+HOST_SYNCS |= {"by_rank_0", "broadcast_bytes", "preflight", "to_device"}
+COLLECTIVES += ("torch/amp/grad_scaler", "torch/nn/utils/clip_grad")
 # How gloo says that another rank went away (in plain RuntimeErrors).
 LOST = ("closed by peer", "reset by peer", "Timed out waiting", "caused pair closure")
 
@@ -161,7 +147,8 @@ class HangWatch:
             # If this thread cannot run (a C call holding the GIL), faulthandler
             # prints every thread's stack and ends the process in its place.
             faulthandler.dump_traceback_later(self.timeout + 30, exit=True)
-            now = (self.beats, main_line())
+            frame = main_frame()  # the same line, for long: no progress either
+            now = (self.beats, frame.f_code, frame.f_lineno)
             if now != last:
                 last, since = now, time.monotonic()
             elif time.monotonic() - since > self.timeout:
@@ -237,12 +224,6 @@ WATCH = HangWatch()
 def main_frame():
     """The main thread's innermost frame, seen from another thread."""
     return sys._current_frames()[threading.main_thread().ident]
-
-
-def main_line():
-    """The main thread's innermost line: the same one, for long, means no progress."""
-    frame = main_frame()
-    return frame.f_code, frame.f_lineno
 
 
 def locate(frame):

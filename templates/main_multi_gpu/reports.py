@@ -44,10 +44,14 @@ class Reports:
         grads = [p.grad for p in params if p.grad is not None]
         state = [s for group in optimizer.state.values() for s in group.values()]
         sizes = [mib(params), mib(grads), mib(state)]
-        print0(
-            "memory per rank: parameters {:.2f} MiB, gradients {:.2f} MiB, optimizer "
-            "state {:.2f} MiB".format(*sizes)
-        )
+        line = "memory per rank: parameters {:.2f} MiB, gradients {:.2f} MiB, "
+        line = (line + "optimizer state {:.2f} MiB").format(*sizes)
+        if self.t.device.type == "cuda":  # the most this rank's GPU held at once
+            peak = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+            line += "; GPU peak {:.0f} MiB allocated, {:.0f} reserved".format(
+                *(size / 2**20 for size in peak)
+            )
+        print0(line)
 {% endif %}
 
     def __enter__(self):
@@ -170,7 +174,8 @@ class Reports:
 
     def write(self, row):
         """Rank 0: the row into metrics.csv and TensorBoard, and as a line."""
-        append_metrics(self.out_dir / "metrics.csv", row)
+        path = self.out_dir / "metrics.csv"  # a column new in it joins the header
+        write_metrics(path, [*read_metrics(path), row])
         if self.writer:
             for key, value in row.items():
                 self.writer.add_scalar(key, value, row["step"])
@@ -207,11 +212,6 @@ def start_metrics(out_dir, done):
     write_metrics(path, [row for row in rows if int(row["step"]) <= done])
 
 
-def append_metrics(path, row):
-    """Add a row; a column new in it (a metric added on resume) joins the header."""
-    write_metrics(path, [*read_metrics(path), row])
-
-
 def read_metrics(path):
     if not path.exists():
         return []
@@ -225,12 +225,10 @@ def write_metrics(path, rows):
     with replacing(path, "w") as f:
         writer = csv.DictWriter(f, columns)
         writer.writeheader()
-        for row in rows:
-            writer.writerow({key: text(value) for key, value in row.items()})
-
-
-def text(value):
-    return f"{value:.8g}" if isinstance(value, float) else str(value)
+        for row in rows:  # floats to 8 significant digits
+            writer.writerow(
+                {k: f"{v:.8g}" if isinstance(v, float) else v for k, v in row.items()}
+            )
 
 
 def plot_losses(metrics_path, png_path):

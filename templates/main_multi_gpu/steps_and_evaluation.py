@@ -1,13 +1,14 @@
 class LossSums:
     """This rank's training loss since the last evaluation, summed over units, and
-    the units, on the device (no sync per step); the units of the update being
-    accumulated; and the losses since the last check(), to name the step where one
-    stopped being finite."""
+    the units, on the device (no sync per step); and the losses since the last
+    check(), to name the step where one stopped being finite."""
 
     def __init__(self, device, args, carried=(0.0, 0.0)):
         self.loss = torch.tensor(carried[0], dtype=torch.float64, device=device)
         self.units = torch.tensor(carried[1], dtype=torch.float64, device=device)
-        self.group = torch.zeros((), dtype=torch.float64, device=device)
+{% if fsdp %}
+        self.group = torch.zeros((), dtype=torch.float64, device=device)  # an update's
+{% endif %}
         self.recent = torch.zeros(LOG_EVERY * args.grad_accum, device=device)
         self.count = 0  # losses in recent
         self.epoch = self.next_step = 0  # the pass and micro-batch of recent[0]
@@ -20,14 +21,20 @@ class LossSums:
         loss = loss.detach()
         self.loss += loss.double() * n
         self.units += n
+{% if fsdp %}
         self.group += n
+{% endif %}
         self.recent[self.count] = loss
         self.count += 1
 
+{% if fsdp %}
     def take_group_units(self):
+        """The units of the update just done, over all ranks (one all-reduce)."""
         units, self.group = self.group, torch.zeros_like(self.group)
+        dist.all_reduce(units)
         return units
 
+{% endif %}
     def totals(self, reset=False):
         """(loss sum, units) over all ranks; reset: start counting afresh."""
         totals = torch.stack([self.loss, self.units])
@@ -42,9 +49,8 @@ def update(t, units):
 {{ par.update_doc() }}
     args = t.args
     # The gradients are of loss sums, averaged over ranks: divide them by the mean
-    # units per rank, so that every update follows the mean loss over all units of
-    # the global batch, for any number of processes and --grad-accum.
-    dist.all_reduce(units)
+    # units per rank (`units`: over all ranks), so that every update follows the mean
+    # loss over all units of the global batch, for any processes and --grad-accum.
     units.clamp_(min=1)  # an update of padding alone: zero gradients, not 0 / 0
     t.scaler.unscale_(t.optimizer)  # --amp fp16: the true gradients, for clipping
     grads = [p.grad for p in t.model.parameters() if p.grad is not None]

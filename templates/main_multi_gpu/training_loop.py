@@ -23,6 +23,7 @@ def run(args):
         signal_when_parent_ends(signal.SIGTERM)
 {% endif %}
     device, store = setup_distributed(args.backend, args.dist_timeout)
+    choose_kernels(device, args.deterministic)
     # From here on, SIGTERM and Ctrl-C stop training at the next check, with a save.
     # (Before, SIGTERM ends the process at once; the rendezvous waits in C++, where a
     # Python handler would not run.)
@@ -40,26 +41,23 @@ def run(args):
         dist.barrier()  # everyone finishes together, after rank 0's last save
     except RuntimeError as err:
         if not lost_peer(err):
-            raise
+            raise  # its traceback now: destroy_process_group() could wait (NCCL)
         if WATCH.reporting:  # the other ranks left after a hang report: finish it
             WATCH.thread.join()
         report_lost_peer(err)
-        status = 1
+        return 1  # and no destroy_process_group(): it would wait for the lost rank
     except SystemExit as stop:  # failure(): rank 0 has said why
         status = stop.code
     finally:
         WATCH.stop()
         stop_loader_workers()
-        dist.destroy_process_group()
+    dist.destroy_process_group()
     return status
 
 
 def cuda_problem(backend, processes_here):
     """Why `backend` cannot serve this machine's processes, as an error line; or None.
-
-    The launchers ask before they start any process: were the ranks to find it out
-    alone, a launcher could stop rank 0, which says it, after another rank exits.
-    """
+    The launchers ask before they start any (rank 0 says it, before others exit)."""
     if backend == "nccl" and not torch.cuda.is_available():
         return "error: --backend nccl needs a CUDA GPU; none is visible"
     if backend == "nccl" and processes_here > torch.cuda.device_count():
@@ -97,19 +95,33 @@ def setup_distributed(backend, timeout):
     address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     try:
         # The rendezvous (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) gives a store the
-        # hang watch uses too. A collective may wait COLLECTIVE_GRACE longer than the
-        # timeout, so that the hang watch, which acts at the timeout, reports first.
+        # hang watch uses too. A collective fails after twice the timeout and
+        # COLLECTIVE_GRACE, so that the hang watch (the timeout without progress)
+        # reports first: NCCL's watchdog counts from when a collective was queued,
+        # which can be steps before this rank stopped making progress.
         store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
         dist.init_process_group(
             backend,
             store=store,
             rank=rank,
             world_size=world_size,
-            timeout=timeout + timedelta(seconds=COLLECTIVE_GRACE),
+            timeout=2 * timeout + timedelta(seconds=COLLECTIVE_GRACE),
+            device_id=device if backend == "nccl" else None,  # NCCL: connect now
         )
     except dist.DistError as err:  # every rank says why: each may be on its own machine
         sys.exit(rendezvous_failed(err, address))
     return device, store
+
+
+def choose_kernels(device, deterministic):
+    """On GPUs, cuDNN's fastest algorithm for each shape, and TF32 for float32; with
+    --deterministic neither, and deterministic algorithms only: runs repeat exactly."""
+    fast = device.type == "cuda" and not deterministic
+    torch.backends.cudnn.benchmark = fast
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = fast
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's need
+        torch.use_deterministic_algorithms(True)
 
 
 def rendezvous_failed(err, address):
@@ -217,7 +229,7 @@ def train_pass(t, at, reports):
 {{ par.train_step() }}
         t.sums.add(loss, n)
         if sync:
-            update(t, t.sums.take_group_units())
+            update(t, {{ par.update_units }})
             at.step, at.samples, at.stream = at.step + 1, position, state
             if last:  # the pass is done
                 at.epoch, at.samples, at.stream = at.epoch + 1, 0, None

@@ -4,6 +4,7 @@
    defines the same names. A macro's text is exactly the lines it stands for: its
    last newline comes from the line that calls it. #}
 {% set wrapper = "ddp_model" %}
+{% set update_units = "t.ddp_model.module.take_units()" %}
 
 {% macro intro() %}
 # Data-parallel training with PyTorch DistributedDataParallel (DDP): one process per GPU
@@ -50,8 +51,10 @@ CHANNELS_LAST = True  # on GPUs, 2-D convolutions in NHWC: faster
                 loss, n = compute_loss(t.ddp_model, batch)
             n = n if real else 0  # a stand-in batch at a stream's end weighs nothing
             # The loss summed over the batch's n units, at the usual scale (n / batch
-            # size is 1 for a per-sample loss); update() divides by the global units.
-            t.scaler.scale(loss * (n / args.batch_size)).backward()
+            # size is 1 for a per-sample loss); update() divides by the global units,
+            # which the all-reduce brings with the gradients (see UnitCounter).
+            counted = t.ddp_model.module.units * n  # zero, with the gradient n
+            (t.scaler.scale(loss * (n / args.batch_size)) + counted).backward()
 {%- endmacro %}
 
 {% macro evaluation_comment() %}
@@ -66,14 +69,22 @@ CHANNELS_LAST = True  # on GPUs, 2-D convolutions in NHWC: faster
 {%- endmacro %}
 
 {% macro wrap_model() %}
-    memory_format = torch.preserve_format
+    model = build_model(args)
+{% if cookiecutter.sync_bn %}
     if device.type == "cuda":
-        torch.backends.cudnn.benchmark = True  # fastest kernels for fixed shapes
-        # NHWC weights for 2-D convolutions (which convert their input to match);
-        # models with 5-D weights (3-D convolutions) keep their layout.
-        if CHANNELS_LAST and all(p.dim() < 5 for p in model.parameters()):
-            memory_format = torch.channels_last
-    model.to(device, memory_format=memory_format)
+        # DDP change 3a: BatchNorm statistics over the global batch, not per rank.
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    else:
+        print0(
+            "warning: SyncBatchNorm runs on GPUs only; training with BatchNorm on CPU",
+            file=sys.stderr,
+        )
+{% endif %}
+    # On GPUs, NHWC weights for 2-D convolutions (which convert their input to
+    # match); models with 5-D weights (3-D convolutions) keep their layout.
+    flat = all(p.dim() < 5 for p in model.parameters())
+    nhwc = CHANNELS_LAST and device.type == "cuda" and flat
+    model.to(device, memory_format=torch.channels_last if nhwc else None)
     optimizer, scheduler = build_optimizer(model, args, total_updates)
     # float16 needs loss scaling against underflowing gradients; otherwise a no-op.
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
@@ -81,13 +92,15 @@ CHANNELS_LAST = True  # on GPUs, 2-D convolutions in NHWC: faster
     # DDP change 3: wrap the model. Its backward pass averages gradients over all ranks,
     # so every replica takes the same optimizer step. Train through ddp_model; save
     # and evaluate the plain model, whose parameters ddp_model trains.
-    device_ids = [device.index] if device.type == "cuda" else None
     # torch.compile inside DDP: the compiled graph is split at DDP's gradient buckets,
     # so the all-reduce still overlaps with the backward pass.
     ddp_model = DDP(
-        torch.compile(model) if args.compile else model,
-        device_ids=device_ids,
+        UnitCounter(torch.compile(model) if args.compile else model),
+        device_ids=[device.index] if device.type == "cuda" else None,
         gradient_as_bucket_view=True,
+{% if cookiecutter.sync_bn %}
+        broadcast_buffers=device.type != "cuda",  # SyncBatchNorm's are equal already
+{% endif %}
     )
     return Training(
         args,
@@ -103,6 +116,24 @@ CHANNELS_LAST = True  # on GPUs, 2-D convolutions in NHWC: faster
         steps_per_pass,
         total_updates,
     )
+
+
+class UnitCounter(nn.Module):
+    """The model that DDP wraps, and one more parameter, zero: each micro-batch adds
+    units x n to its loss, so the all-reduce of the gradients brings, in the same
+    call, the mean n per rank of an update: no collective of its own per update."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.units = model, nn.Parameter(torch.zeros(()))
+
+    def forward(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+    def take_units(self):
+        """The units of the update just reduced, over all ranks; counting restarts."""
+        units, self.units.grad = self.units.grad.double() * dist.get_world_size(), None
+        return units
 {%- endmacro %}
 
 {% macro update_doc() %}

@@ -4,6 +4,7 @@
    defines the same names. A macro's text is exactly the lines it stands for: its
    last newline comes from the line that calls it. #}
 {% set wrapper = "train_model" %}
+{% set update_units = "t.sums.take_group_units()" %}
 
 {% macro intro() %}
 # Data-parallel training with PyTorch's fully sharded data parallelism (FSDP2): one
@@ -68,10 +69,7 @@ RANK_0_WRITES_REPLICAS = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
 {%- endmacro %}
 
 {% macro wrap_model() %}
-    if device.type == "cuda":
-        torch.backends.cudnn.benchmark = True  # fastest kernels for fixed shapes
-    model.to(device)
-    shard(model, args)  # DDP change 3 (FSDP2), before the optimizer sees the model
+    model = build_sharded(args, device)  # DDP change 3 (FSDP2), before the optimizer
     optimizer, scheduler = build_optimizer(model, args, total_updates)
     # float16 needs loss scaling against underflowing gradients; otherwise a no-op.
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
@@ -91,19 +89,32 @@ RANK_0_WRITES_REPLICAS = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
     )
 
 
-def shard(model, args):
-    """DDP change 3 (FSDP2): shard the parameters over the ranks, block by block:
-    fully_shard() on each of sharded_blocks(model), then on the root, which keeps the
-    rest. A block's parameters are gathered from all ranks for its forward and
-    backward, and freed after; its gradients are reduce-scattered. So each rank holds
-    1/world_size of the parameters, of the gradients, and of the optimizer state (the
-    optimizer, built after this, sees the shards)."""
-    # fully_shard() sends nothing: every rank starts from rank 0's weights.
-    for tensor in model.state_dict().values():
-        dist.broadcast(tensor, src=0)
+def build_sharded(args, device):
+    """DDP change 3 (FSDP2): the model build_model() makes, its parameters sharded over
+    the ranks block by block: fully_shard() on each of sharded_blocks(model), then on
+    the root, which keeps the rest. A block's parameters are gathered from all ranks
+    for its forward and backward, and freed after; its gradients are reduce-scattered.
+    So each rank holds 1/world_size of the parameters, of the gradients, and of the
+    optimizer state (the optimizer, built after this, sees the shards).
+
+    No rank but 0 ever holds the whole model: each builds it on the meta device
+    (shapes, no memory), shards it, and makes room for its own shards only; rank 0
+    also builds it for real (the seed's initial weights, as one process would) and
+    sends it, a tensor at a time, into every rank's shards."""
+    whole = build_model(args) if dist.get_rank() == 0 else None
+    with torch.device("meta"):
+        model = build_model(args)
     for block in reversed(sharded_blocks(model)):  # inner blocks before outer ones
         fully_shard(block, **precision(block, args))
     fully_shard(model, **precision(model, args))
+    model.to_empty(device=device)
+    for name, buffer in model.named_buffers():  # whole on every rank (not sharded)
+        if whole is not None:
+            buffer.copy_(whole.get_buffer(name))
+        dist.broadcast(buffer, src=0)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, whole.state_dict() if whole else {}, options=options)
+    return model
 
 
 def sharded_blocks(model):
@@ -149,8 +160,7 @@ def precision(module, args):
 {% macro load_for_evaluation() %}
     torch.manual_seed(args.seed)  # the data build_datasets() makes for this seed
     _, val_set = datasets(args)
-    model = build_model(args).to(device)
-    shard(model, args)
+    model = build_sharded(args, device)
     if path.is_dir():  # a checkpoint folder: its shards, resharded for this run
         load_shards(model, None, path, "evaluate")
     else:
