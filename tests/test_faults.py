@@ -304,9 +304,16 @@ api.get_free_port = lambda: int(os.environ["TEST_TAKEN_PORT"])
 """
 
 
-def test_a_port_taken_after_torchruns_pick_is_one_clear_line(tmp_path):
-    """torchrun gives the workers a port of their own (the gloo restart fix keeps them
-    off its shared store); a program that takes it first ends the job in one line."""
+@pytest.mark.xdist_group("faults_reference")
+@pytest.mark.parametrize("restarts", [0, 1])
+def test_torchrun_workers_use_no_port_of_their_own_unless_restarted(
+    tmp_path, reference, restarts
+):
+    """Without restarts (the default) the workers share torchrun's store, listening
+    before they start: a port taken after torchrun's pick does not matter, the job
+    trains. With restarts they have a port of their own (gloo restarts rendezvous
+    reliably only so), and a program that takes it first ends each attempt in one
+    line."""
     project = bake(tmp_path, launcher="torchrun", save_strategy="final_only")
     site = tmp_path / "site"
     site.mkdir()
@@ -316,14 +323,20 @@ def test_a_port_taken_after_torchruns_pick_is_one_clear_line(tmp_path):
         busy.listen()
         port = busy.getsockname()[1]
         paths = os.pathsep.join([str(site), os.environ["PYTHONPATH"]])
-        env = {"TEST_TAKEN_PORT": str(port), "PYTHONPATH": paths}
-        command, env = single(tmp_path / "out", SHORT, **env)
+        env = {"MAX_RESTARTS": str(restarts), "TEST_TAKEN_PORT": str(port)}
+        command, env = single(tmp_path / "out", SHORT, PYTHONPATH=paths, **env)
         code, output, seconds, left = watch(command, project, env)
-    assert code == 1, output
-    assert seconds < 30 and left == [], output
-    errors = error_lines(output)
+    assert left == [], output
+    if restarts == 0:
+        assert code == 0, output
+        final = load_weights(tmp_path / "out" / "model_final.pt")
+        assert max_difference(final, reference(SHORT)) < 1e-5
+        return
+    assert code == 1 and seconds < 45, output
+    # Both attempts (the first, then torchrun's restart) end the same way: here the
+    # same port is busy every time; in life a restart picks another.
     line = f"error: port localhost:{port} is in use (another program took it after "
-    assert errors == [f"{line}torchrun picked it); run the job again"], output
+    assert error_lines(output) == [f"{line}torchrun picked it); run the job again"] * 2
     assert "Traceback" not in output
 
 

@@ -84,12 +84,28 @@ def build_datasets(args):
 """
 
 STUCK_AS_IT_STARTS = f"""
+class StuckOnArrival(torch.utils.data.Dataset):
+    \"\"\"Rank 1's DataLoader worker hangs as it starts, before a line of its own (as
+    it unpickles its copy of the dataset), as a fork could in Python before 3.12
+    (CPython gh-112275).\"\"\"
+
+    def __init__(self, data):
+        self.data = data
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, index):
+        return self.data[index]
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        if os.environ["RANK"] == "1":
+            time.sleep(1000)
+
+
 def build_datasets(args):
-    \"\"\"Rank 1's DataLoader worker hangs as it starts, before a line of its own, as
-    a fork can in Python before 3.12 (CPython gh-112275).\"\"\"
-    if os.environ["RANK"] == "1":
-        os.register_at_fork(after_in_child=lambda: time.sleep(1000))
-{MAKE_DATA}    return train, val
+{MAKE_DATA}    return StuckOnArrival(train), val
 """
 
 HEADLINE = f"hang: no progress for {TIMEOUT} s (--dist-timeout); where each rank stood:"
@@ -231,7 +247,8 @@ COLLECTIVE_CALLS = {"all_reduce", "broadcast", "all_gather", "all_gather_into_te
 def test_every_host_read_after_a_collective_is_named_a_wait(tmp_path, parallelism):
     """A stack stopped in a function that reads a collective's result on the host
     (.item(), .tolist()) is reported as waiting for the others (HOST_SYNCS), not as
-    busy: every such function of the generated file is listed, and only those."""
+    busy: every such function of the generated file is listed, and only those, with
+    to_device, whose copy to the GPU waits for the work queued before it (NCCL's)."""
     project = bake(tmp_path, parallelism=parallelism)
     tree = ast.parse((project / "main_multi_gpu.py").read_text())
     waits = set()
@@ -244,9 +261,10 @@ def test_every_host_read_after_a_collective_is_named_a_wait(tmp_path, parallelis
             }
             if called & COLLECTIVE_CALLS and called & {"item", "tolist"}:
                 waits.add(node.name)
-    listed = next(
-        node.value
-        for node in tree.body
-        if isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "HOST_SYNCS"
-    )
-    assert waits == set(ast.literal_eval(listed))
+    listed = set()  # HOST_SYNCS = {...}, then HOST_SYNCS |= {...}
+    for node in tree.body:
+        if isinstance(node, (ast.Assign, ast.AugAssign)):
+            target = node.targets[0] if isinstance(node, ast.Assign) else node.target
+            if ast.unparse(target) == "HOST_SYNCS":
+                listed |= ast.literal_eval(node.value)
+    assert waits | {"to_device"} == listed

@@ -1,10 +1,18 @@
 def datasets(args):
-    """build_datasets(), refusing an empty set in one line (a stream without a
-    length: when it yields nothing)."""
+    """build_datasets(), refusing in one line an empty set (a stream without a
+    length: when it yields nothing), or one DataLoader workers cannot receive."""
     train_set, val_set = build_datasets(args)
     for name, data in (("training", train_set), ("validation", val_set)):
         if isinstance(data, Sized) and len(data) == 0:
             raise failure(f"error: build_datasets() returned an empty {name} set")
+        try:  # each DataLoader worker gets a pickled copy (see loader_options)
+            pickle.dumps(data if args.num_workers else None)
+        except Exception as err:
+            raise failure(
+                f"error: build_datasets() returned a {name} set that DataLoader "
+                f"workers cannot receive ({err}): define its classes and functions "
+                "at a module's top level, keep no open file in it, or --num-workers 0"
+            ) from err
     return train_set, val_set
 
 
@@ -41,12 +49,16 @@ def pass_steps(train_set, train_loader, args):
 
 
 def loader_options(data, args, device):
-    """The DataLoader settings every loader here shares."""
+    """The DataLoader settings every loader here shares. Its workers start from the
+    fork server, a fresh interpreter that imported this file once (see run()), never
+    as forks of this process: its communication threads can deadlock a fork
+    (CPython gh-112275, before 3.12 and 3.11.10)."""
     return {
         "collate_fn": getattr(data, "collate_fn", None),
         "num_workers": args.num_workers,
+        "multiprocessing_context": "forkserver" if args.num_workers else None,
         "pin_memory": device.type == "cuda",
-        "worker_init_fn": loader_worker_init,
+        "worker_init_fn": functools.partial(loader_worker_init, trainer=os.getpid()),
     }
 
 
@@ -170,15 +182,22 @@ class StreamShard(IterableDataset):
                 pending = (batch, bool(share), position)
 
 
-def loader_worker_init(worker_id):
+def loader_worker_init(worker_id, trainer):
     """DataLoader workers keep serving batches on SIGTERM and Ctrl-C: the training
-    process stops at its next check, saves, and shuts them down itself. On Linux they
-    also die with it: a forked worker holds copies of its sockets, and left alive it
-    would keep the other ranks waiting for a rank that is gone."""
+    process stops at its next check, saves, and shuts them down itself. They end when
+    it ends, however it ends (kill -9 too): their fork server lives while they do."""
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, signal.SIG_IGN)
     faulthandler.register(signal.SIGUSR1, all_threads=False)  # for the hang watch
-    signal_when_parent_ends(signal.SIGKILL)
+    if hasattr(os, "pidfd_open"):  # Linux
+        threading.Thread(target=exit_with, args=(trainer,), daemon=True).start()
+
+
+def exit_with(pid):
+    """End this process as soon as process `pid` ends (at once if it has)."""
+    with contextlib.suppress(ProcessLookupError):
+        select.select([os.pidfd_open(pid)], [], [])
+    os._exit(1)
 
 
 def signal_when_parent_ends(signum):

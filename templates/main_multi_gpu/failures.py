@@ -26,15 +26,10 @@ def on_stop_signal(signum, frame):
 
 def leave(status):
     """End this worker process with `status` as a normal exit would (threads that are
-    not daemons waited for, atexit handlers run: logging's flush, a user's), but
-    without the interpreter's teardown.
-
-    A gloo thread may still hold the last collective's tensors, and letting go of one
-    that Python has dropped takes the GIL. CPython ends a thread that waits for the
-    GIL while the interpreter tears down, and ending a C++ thread that way aborts the
-    process ("terminate called without an active exception"): now and then, a rank
-    died by SIGABRT after a run that had finished and saved.
-    """
+    not daemons waited for, atexit handlers run), without the interpreter's teardown:
+    there, a gloo thread that lets go of a tensor waits for the GIL, is ended, and
+    aborts the process ("terminate called without an active exception"): now and
+    then, a rank died by SIGABRT after a run that had finished and saved."""
     # What Python's own exit does before the teardown: stop the executors' threads,
     # wait for the threads that are not daemons, run the atexit handlers.
     threading._shutdown()
@@ -94,7 +89,8 @@ LOADER = "waits for its DataLoader workers"
 HOST_SYNCS = {"check", "totals", "diverged_failure", "evaluate", "load_shared"}
 HOST_SYNCS |= {"by_rank_0", "broadcast_bytes", "preflight", "to_device"}
 COLLECTIVES += ("torch/amp/grad_scaler", "torch/nn/utils/clip_grad")
-# How gloo says that another rank went away (in plain RuntimeErrors).
+# How gloo says that another rank went away or timed out, in plain RuntimeErrors
+# (NCCL and the store raise DistErrors).
 LOST = ("closed by peer", "reset by peer", "Timed out waiting", "caused pair closure")
 
 
@@ -105,12 +101,10 @@ class HangWatch:
     rank then prints its stack (all threads, and its DataLoader workers'), each line
     starting with [rank N]; one rank prints where each rank stood; all exit 1.
 
-    Progress is a training or evaluation step (beat), or, between steps (a first
-    step's torch.compile, a save), a change of the main thread's line. A rank that
-    waits longer than the timeout for another's slow work (rank 0 saving a huge
-    checkpoint) counts as stuck too: raise --dist-timeout for such jobs. The ranks
-    agree through the rendezvous store, with no collective: theirs may be stuck.
-    """
+    Progress is a step (beat), or, between steps (torch.compile, a save), a change of
+    the main thread's line. A rank waiting longer than the timeout for another's slow
+    work (rank 0 saving a huge checkpoint) counts as stuck too: raise --dist-timeout
+    for such jobs. The ranks agree through the store, not a collective."""
 
     def __init__(self):
         self.beats, self.done, self.reporting = 0, threading.Event(), False
@@ -288,12 +282,6 @@ def handles(pid, signum):
             if line.startswith("SigCgt:"):
                 return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
     return False
-
-
-def lost_peer(err):
-    """A collective failed: another rank is gone, or timed out. (gloo says so in plain
-    RuntimeErrors; NCCL and the store raise DistErrors.)"""
-    return isinstance(err, dist.DistError) or any(text in str(err) for text in LOST)
 
 
 def report_lost_peer(err):

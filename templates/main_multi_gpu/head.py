@@ -12,6 +12,7 @@ import copy
 import csv
 import ctypes
 import faulthandler
+import functools
 import gc
 import io
 import itertools
@@ -19,6 +20,8 @@ import logging
 import math
 import multiprocessing
 import os
+import pickle
+import select
 {% if not spawn %}
 import shlex
 {% endif %}

@@ -141,10 +141,6 @@ class Reports:
         finally:  # also when the loop stops early (a stop signal, an error)
             self.progress.close()
 
-    def show_loss(self, loss):
-        if not self.progress.disable:
-            self.progress.set_postfix(loss=f"{loss.item():.4f}")
-
     def row(self, at, metrics):
         """An evaluation's row in metrics.csv (and TensorBoard), and its line: the
         training since the previous row (its steps; saves left out), then the

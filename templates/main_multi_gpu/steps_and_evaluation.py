@@ -13,10 +13,6 @@ class LossSums:
         self.count = 0  # losses in recent
         self.epoch = self.next_step = 0  # the pass and micro-batch of recent[0]
 
-    def start_pass(self, at, batch_size):
-        self.epoch = at.epoch
-        self.next_step = at.samples // (batch_size * dist.get_world_size())
-
     def add(self, loss, n):
         loss = loss.detach()
         self.loss += loss.double() * n
@@ -78,8 +74,8 @@ def check(t, reports):
     stop, diverged = flags.tolist()
     if diverged:
         raise diverged_failure(recent, sums.next_step, sums.epoch, t.device)
-    if len(recent):
-        reports.show_loss(recent.mean())
+    if len(recent) and not reports.progress.disable:  # the bar shows the loss
+        reports.progress.set_postfix(loss=f"{recent.mean().item():.4f}")
     sums.next_step += sums.count
     sums.count = 0
     return stop > 0

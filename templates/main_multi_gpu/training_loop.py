@@ -13,6 +13,9 @@ def run(args):
     error line (failure()); or 128 + the signal that stopped training.
     """
     keep_freed_memory()  # before any tensor, and so before any DataLoader worker
+    multiprocessing.set_forkserver_preload(["__main__", "torch"])  # loader_options
+    # (Its resource tracker frees their semaphores after an os._exit: no warning.)
+    os.environ.setdefault("PYTHONWARNINGS", "ignore:resource_tracker:UserWarning")
     spare_the_garbage_collector()
     faulthandler.enable()  # a crash in C code (an abort) still shows the Python stack
 {% if not spawn %}
@@ -40,7 +43,7 @@ def run(args):
             status = train(args, device)
         dist.barrier()  # everyone finishes together, after rank 0's last save
     except RuntimeError as err:
-        if not lost_peer(err):
+        if not (isinstance(err, dist.DistError) or any(s in str(err) for s in LOST)):
             raise  # its traceback now: destroy_process_group() could wait (NCCL)
         if WATCH.reporting:  # the other ranks left after a hang report: finish it
             WATCH.thread.join()
@@ -220,7 +223,8 @@ def train_pass(t, at, reports):
     # Per-rank randomness (dropout, augmentation): the same after a resume at a pass
     # boundary; after a mid-pass stop, the rest of the pass differs.
     torch.manual_seed(args.seed + at.epoch * dist.get_world_size() + dist.get_rank())
-    t.sums.start_pass(at, args.batch_size)
+    t.sums.epoch = at.epoch
+    t.sums.next_step = at.samples // (args.batch_size * dist.get_world_size())
     micro = 0  # micro-batches of this pass in this run
     for batch, real, position, last, state in reports.batches(pass_data(t, at), at):
         batch = to_device(batch, device)

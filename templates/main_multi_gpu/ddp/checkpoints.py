@@ -21,14 +21,8 @@ def save_checkpoints(t, at, names):
     """DDP change 4: rank 0 alone saves, the state at `at` under each name. (Every
     rank calls it: the checkpoint's loss sums are added up over the ranks.)"""
     state = snapshot(t, at)
-    out_dir = Path(t.args.output_dir)
-    by_rank_0(t.device, save_each, state, [out_dir / name for name in names])
-
-
-def save_each(state, paths):
-    """Rank 0: the same checkpoint under each name."""
-    for path in paths:
-        save_atomic(state, path)
+    for name in names:
+        by_rank_0(t.device, save_atomic, state, Path(t.args.output_dir) / name)
 {%- endmacro %}
 
 {% macro snapshot_tensors() %}

@@ -90,11 +90,6 @@ def worker(local_rank, args, master_port):
     # SIGINT, once per launcher thread, and a second SIGINT is a second Ctrl-C (stop
     # at once, saving nothing). SIGTERM instead: this rank saves and stops.
     signal_when_parent_ends(signal.SIGTERM)
-    if sys.platform == "linux":
-        # This process was started by spawn, so by default its children are too, and
-        # each would import this script again; DataLoader workers fork as usual on
-        # Linux instead: quick to start, with this process's signal handlers.
-        multiprocessing.set_start_method("fork", force=True)
     leave(run(args))
 
 
@@ -138,6 +133,8 @@ def main():
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, on_signal)  # before they start: the workers reset it
     quiet_torch_logs("torch", SPAWN_CHATTER)
+    # Its resource tracker, which the workers share, frees what their os._exit left.
+    os.environ.setdefault("PYTHONWARNINGS", "ignore:resource_tracker:UserWarning")
     workers = mp.start_processes(
         worker, args=(args, master_port), nprocs=args.nproc_per_node, join=False
     )
