@@ -40,10 +40,23 @@ def leave(status):
 
 
 def stop_now(status):
-    """Exit at once (from any thread), with this process's DataLoader workers."""
-    for child in multiprocessing.active_children():
-        child.kill()
+    """Exit at once (from any thread). SIGTERM ends the fork server (no new DataLoader
+    worker) and a worker not started yet; the others end with this process (see
+    loader_worker_init); the resource tracker ignores it, and cleans up after them."""
+    for pid in descendants(os.getpid()):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
     os._exit(status)
+
+
+def descendants(pid):
+    """The processes below `pid`, each before its own (Linux, from /proc)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        with contextlib.suppress(OSError):
+            for child in map(int, task.read_text().split()):
+                found += [child, *descendants(child)]
+    return found
 
 
 def stop_loader_workers():

@@ -52,7 +52,7 @@ def launch(options, timeout, backend):
             name = signal.Signals(signum)
             raise SignalException(f"got {name.name}", sigval=name)
         if signum == signal.SIGINT:  # a second Ctrl-C: stop the workers at once
-            for pid in children():
+            for pid in descendants(os.getpid()):  # workers lead groups
                 with contextlib.suppress(ProcessLookupError):  # it ended already
                     os.killpg(pid, signal.SIGKILL)
             abort_line()
@@ -95,17 +95,6 @@ def blame(failed):
     """Sort key for a failed worker, the cause first: killed by a signal; exited (and
     said why); killed by SIGTERM, which is torchrun stopping the others."""
     return failed.exitcode == -signal.SIGTERM, failed.exitcode >= 0
-
-
-def children():
-    """This process's child processes (the workers), from /proc: Linux only, like a
-    second Ctrl-C's stopping them at once (elsewhere torchrun stops them after
-    --dist-timeout)."""
-    pids = []
-    for task in Path("/proc/self/task").glob("*/children"):
-        with contextlib.suppress(OSError):
-            pids += [int(pid) for pid in task.read_text().split()]
-    return pids
 
 
 if __name__ == "__main__":
