@@ -306,14 +306,11 @@ api.get_free_port = lambda: int(os.environ["TEST_TAKEN_PORT"])
 
 @pytest.mark.xdist_group("faults_reference")
 @pytest.mark.parametrize("restarts", [0, 1])
-def test_torchrun_workers_use_no_port_of_their_own_unless_restarted(
-    tmp_path, reference, restarts
-):
-    """Without restarts (the default) the workers share torchrun's store, listening
-    before they start: a port taken after torchrun's pick does not matter, the job
-    trains. With restarts they have a port of their own (gloo restarts rendezvous
-    reliably only so), and a program that takes it first ends each attempt in one
-    line."""
+def test_torchrun_workers_use_no_port_of_their_own(tmp_path, reference, restarts):
+    """Guarantee 12: with or without restarts the workers share torchrun's store,
+    listening before they start: a port taken after torchrun's pick of a free one
+    does not matter, the job trains (before, with restarts, it ended in one line:
+    "port ... is in use")."""
     project = bake(tmp_path, launcher="torchrun", save_strategy="final_only")
     site = tmp_path / "site"
     site.mkdir()
@@ -325,19 +322,11 @@ def test_torchrun_workers_use_no_port_of_their_own_unless_restarted(
         paths = os.pathsep.join([str(site), os.environ["PYTHONPATH"]])
         env = {"MAX_RESTARTS": str(restarts), "TEST_TAKEN_PORT": str(port)}
         command, env = single(tmp_path / "out", SHORT, PYTHONPATH=paths, **env)
-        code, output, seconds, left = watch(command, project, env)
+        code, output, _, left = watch(command, project, env)
     assert left == [], output
-    if restarts == 0:
-        assert code == 0, output
-        final = load_weights(tmp_path / "out" / "model_final.pt")
-        assert max_difference(final, reference(SHORT)) < 1e-5
-        return
-    assert code == 1 and seconds < 45, output
-    # Both attempts (the first, then torchrun's restart) end the same way: here the
-    # same port is busy every time; in life a restart picks another.
-    line = f"error: port localhost:{port} is in use (another program took it after "
-    assert error_lines(output) == [f"{line}torchrun picked it); run the job again"] * 2
-    assert "Traceback" not in output
+    assert code == 0, output
+    final = load_weights(tmp_path / "out" / "model_final.pt")
+    assert max_difference(final, reference(SHORT)) < 1e-5
 
 
 # -- (g) a worker's end never aborts it --------------------------------------------------

@@ -87,11 +87,12 @@ atexit.register(write)
 """
 
 
-def test_an_update_calls_no_collective_of_its_own(tmp_path):
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp2"])
+def test_an_update_calls_no_collective_of_its_own(tmp_path, parallelism):
     """Guarantee 13: 100 updates call collectives from Python only for the checks
     (one per 20 updates), the evaluation and the saves; before, every update
-    all-reduced its units as well."""
-    project = bake(tmp_path)
+    all-reduced its units as well (108 all-reduces here)."""
+    project = bake(tmp_path, parallelism=parallelism)
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text(COUNTING)
     env = {
@@ -157,7 +158,7 @@ def build_model(args):
     return nn.Sequential(nn.Flatten(), nn.Linear(768, 2048), *blocks, nn.Linear(2048, 10))
 """
 MODEL_MIB = (24 * 2048 * 2049 + 768 * 2048 + 2048 + 2048 * 10 + 10) * 4 / 2**20
-BUILD = "    model = build_sharded(args, device)  # DDP change 3 (FSDP2), before the optimizer\n"
+BUILD = "    sharded = build_sharded(args, device)  # DDP change 3 (FSDP2), before the optimizer\n"
 # Each rank writes its resident memory before the build and its peak after (bytes),
 # and stops: the build is what this measures.
 MEASURED_BUILD = f"""    import resource

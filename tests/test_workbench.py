@@ -326,6 +326,16 @@ def test_dict_batches_with_token_loss_and_token_accuracy(tmp_path):
     assert max_difference(final(full), final(tmp_path / "w1")) < 1e-5
 
 
+def test_fsdp2_weighs_every_token_of_the_global_batch_alike(tmp_path):
+    """FSDP2's units travel with its reduce-scatter (UnitCounter, the root of the
+    sharding): 2 x 4 sequences of different numbers of tokens equal 1 x 8."""
+    project = adapted(tmp_path, "tokens", TOKENS, parallelism="fsdp2")
+    args = ["--epochs", "2"]
+    train(project, tmp_path / "w2", 2, *args, "--batch-size", "4")
+    train(project, tmp_path / "w1", 1, *args, "--batch-size", "8")
+    assert max_difference(final(tmp_path / "w2"), final(tmp_path / "w1")) < 1e-5
+
+
 def test_token_weighting_is_what_makes_dict_batches_scale(tmp_path):
     """The control for the test above: averaging each rank's per-token mean instead
     (the usual DDP loop) makes 2 x 4 differ from 1 x 8."""

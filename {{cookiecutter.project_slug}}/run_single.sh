@@ -26,11 +26,6 @@ fi
 require_number NPROC_PER_NODE 1
 MAX_RESTARTS="${MAX_RESTARTS:-0}"
 require_number MAX_RESTARTS 0
-if ((10#${MAX_RESTARTS} > 0)); then
-  # Restarted workers rendezvous reliably on gloo only without torchrun's shared
-  # store; main_multi_gpu.py then holds one for them (see launch()).
-  export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-fi
 
 # main_multi_gpu.py runs torchrun itself, in its own process: it checks the arguments
 # first, and a failure, Ctrl-C or SIGTERM then ends in one line and the exit status

@@ -6,9 +6,6 @@ class LossSums:
     def __init__(self, device, args, carried=(0.0, 0.0)):
         self.loss = torch.tensor(carried[0], dtype=torch.float64, device=device)
         self.units = torch.tensor(carried[1], dtype=torch.float64, device=device)
-{% if fsdp %}
-        self.group = torch.zeros((), dtype=torch.float64, device=device)  # an update's
-{% endif %}
         self.recent = torch.zeros(LOG_EVERY * args.grad_accum, device=device)
         self.count = 0  # losses in recent
         self.epoch = self.next_step = 0  # the pass and micro-batch of recent[0]
@@ -17,20 +14,9 @@ class LossSums:
         loss = loss.detach()
         self.loss += loss.double() * n
         self.units += n
-{% if fsdp %}
-        self.group += n
-{% endif %}
         self.recent[self.count] = loss
         self.count += 1
 
-{% if fsdp %}
-    def take_group_units(self):
-        """The units of the update just done, over all ranks (one all-reduce)."""
-        units, self.group = self.group, torch.zeros_like(self.group)
-        dist.all_reduce(units)
-        return units
-
-{% endif %}
     def totals(self, reset=False):
         """(loss sum, units) over all ranks; reset: start counting afresh."""
         totals = torch.stack([self.loss, self.units])
@@ -39,6 +25,28 @@ class LossSums:
             self.loss.zero_()
             self.units.zero_()
         return tuple(totals.tolist())
+
+
+class UnitCounter(nn.Module):
+    """The model and one more parameter, zero, {{ par.counter_host }}: each
+    micro-batch adds units x n to its loss, so the reduction of the gradients brings,
+    in the same call, the mean n per rank of an update: no collective of its own."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        self.units = nn.Parameter(torch.zeros(dist.get_world_size()))  # one per rank
+
+    def forward(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+    def take_units(self):
+        """The units of the update just reduced, over all ranks; counting restarts."""
+        grad, self.units.grad = self.units.grad, None
+{% if fsdp %}
+        grad = grad.to_local()  # reduce-scattered: this rank's element of the mean
+{% endif %}
+        return grad[0].double() * dist.get_world_size()
 
 
 def update(t, units):

@@ -103,6 +103,12 @@ def setup_distributed(backend, timeout):
         # reports first: NCCL's watchdog counts from when a collective was queued,
         # which can be steps before this rank stopped making progress.
         store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+{% if not spawn %}
+        if os.environ.get("GROUP_WORLD_SIZE") == "1":  # one torchrun, one count
+            # torchrun's own store outlives a restart: keys of this attempt only.
+            attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+            store = dist.PrefixStore(f"attempt {attempt}", store)
+{% endif %}
         dist.init_process_group(
             backend,
             store=store,
@@ -130,8 +136,10 @@ def choose_kernels(device, deterministic):
 def rendezvous_failed(err, address):
     """The one line for a rendezvous that failed: why, and what to check."""
     reason = str(err).strip().splitlines()[0]
+{% if spawn %}
     if "EADDRINUSE" in reason:
-{{ launcher.port_in_use() }}
+        return f"error: port {address} is in use; choose another --master-port"
+{% endif %}
 {% if multi %}
     return (
         f"error: rendezvous with {address} failed ({reason}); check MASTER_ADDR, "
@@ -294,7 +302,7 @@ def after_update(t, at, reports, last):
 {{ par.evaluation_comment() }}
         for buffer in t.model.buffers():
             dist.broadcast(buffer, src=0)
-        metrics = evaluate(t.model, t.val_loader, t.device)
+        metrics = evaluate(t.{{ par.evaluated }}, t.val_loader, t.device)
         reports.row(at, metrics)
 {% if strategy == "best" %}
         if metrics["loss"] < t.best_val_loss:

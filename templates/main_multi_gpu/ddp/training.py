@@ -3,8 +3,11 @@
    (`{{ par.train_step() }}`), in the order the generated file uses them; fsdp2/
    defines the same names. A macro's text is exactly the lines it stands for: its
    last newline comes from the line that calls it. #}
-{% set wrapper = "ddp_model" %}
-{% set update_units = "t.ddp_model.module.take_units()" %}
+{# Names the section files use: the module train_pass() calls train(), the update's
+   units, the module evaluated, where UnitCounter sits. #}
+{% set wrapper, update_units, evaluated, counter_host = (
+    "ddp_model", "t.ddp_model.module.take_units()", "model", "in the module DDP wraps"
+) %}
 
 {% macro intro() %}
 # Data-parallel training with PyTorch DistributedDataParallel (DDP): one process per GPU
@@ -53,7 +56,7 @@ CHANNELS_LAST = True  # on GPUs, 2-D convolutions in NHWC: faster
             # The loss summed over the batch's n units, at the usual scale (n / batch
             # size is 1 for a per-sample loss); update() divides by the global units,
             # which the all-reduce brings with the gradients (see UnitCounter).
-            counted = t.ddp_model.module.units * n  # zero, with the gradient n
+            counted = t.ddp_model.module.units.sum() * n  # zero, with the gradient n
             (t.scaler.scale(loss * (n / args.batch_size)) + counted).backward()
 {%- endmacro %}
 
@@ -117,23 +120,6 @@ CHANNELS_LAST = True  # on GPUs, 2-D convolutions in NHWC: faster
         total_updates,
     )
 
-
-class UnitCounter(nn.Module):
-    """The model that DDP wraps, and one more parameter, zero: each micro-batch adds
-    units x n to its loss, so the all-reduce of the gradients brings, in the same
-    call, the mean n per rank of an update: no collective of its own per update."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model, self.units = model, nn.Parameter(torch.zeros(()))
-
-    def forward(self, *args, **kwargs):
-        return self.model(*args, **kwargs)
-
-    def take_units(self):
-        """The units of the update just reduced, over all ranks; counting restarts."""
-        units, self.units.grad = self.units.grad.double() * dist.get_world_size(), None
-        return units
 {%- endmacro %}
 
 {% macro update_doc() %}

@@ -3,8 +3,11 @@
    (`{{ par.train_step() }}`), in the order the generated file uses them; ddp/
    defines the same names. A macro's text is exactly the lines it stands for: its
    last newline comes from the line that calls it. #}
-{% set wrapper = "train_model" %}
-{% set update_units = "t.sums.take_group_units()" %}
+{# Names the section files use: the module train_pass() calls train(), the update's
+   units, the module evaluated, where UnitCounter sits. #}
+{% set wrapper, update_units, evaluated, counter_host = (
+    "train_model", "t.sharded.take_units()", "sharded", "the root of the sharding"
+) %}
 
 {% macro intro() %}
 # Data-parallel training with PyTorch's fully sharded data parallelism (FSDP2): one
@@ -43,20 +46,23 @@ RANK_0_WRITES_REPLICAS = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
 {%- endmacro %}
 
 {% macro training_fields() %}
-    model: nn.Module  # sharded over the ranks (DDP change 3): evaluated and saved
+    model: nn.Module  # sharded over the ranks (DDP change 3): saved
+    sharded: nn.Module  # it in a UnitCounter, the root of the sharding: evaluated
     train_model: nn.Module  # the same, compiled with --compile: trained
 {%- endmacro %}
 
 {% macro train_step() %}
         # DDP change 3 (FSDP2): gradients are reduce-scattered over the ranks in the
         # backward pass of the last micro-batch of each update only.
-        t.model.set_requires_gradient_sync(sync)
+        t.sharded.set_requires_gradient_sync(sync)
         with torch.autocast(device.type, AMP_DTYPES[args.amp], args.amp != "none"):
             loss, n = compute_loss(t.train_model, batch)
         n = n if real else 0  # a stand-in batch at a stream's end weighs nothing
         # The loss summed over the batch's n units, at the usual scale (n / batch size
-        # is 1 for a per-sample loss); update() divides by the global units.
-        t.scaler.scale(loss * (n / args.batch_size)).backward()
+        # is 1 for a per-sample loss); update() divides by the global units, which
+        # the reduce-scatter brings with the gradients (see UnitCounter).
+        counted = t.sharded.units.sum() * n  # zero, with the gradient n
+        (t.scaler.scale(loss * (n / args.batch_size)) + counted).backward()
 {%- endmacro %}
 
 {% macro evaluation_comment() %}
@@ -69,7 +75,8 @@ RANK_0_WRITES_REPLICAS = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
 {%- endmacro %}
 
 {% macro wrap_model() %}
-    model = build_sharded(args, device)  # DDP change 3 (FSDP2), before the optimizer
+    sharded = build_sharded(args, device)  # DDP change 3 (FSDP2), before the optimizer
+    model = sharded.model
     optimizer, scheduler = build_optimizer(model, args, total_updates)
     # float16 needs loss scaling against underflowing gradients; otherwise a no-op.
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
@@ -77,7 +84,8 @@ RANK_0_WRITES_REPLICAS = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
         args,
         device,
         model,
-        torch.compile(model) if args.compile else model,
+        sharded,
+        torch.compile(sharded) if args.compile else sharded,
         optimizer,
         scheduler,
         scaler,
@@ -100,40 +108,49 @@ def build_sharded(args, device):
     No rank but 0 ever holds the whole model: each builds it on the meta device
     (shapes, no memory), shards it, and makes room for its own shards only; rank 0
     also builds it for real (the seed's initial weights, as one process would) and
-    sends it, a tensor at a time, into every rank's shards."""
+    sends it, a tensor at a time, into every rank's shards.
+
+    Returns the model in a UnitCounter, the root, whose group also holds the model's
+    own parameters (those in no block), in float32: the counter's gradients are
+    whole numbers."""
     whole = build_model(args) if dist.get_rank() == 0 else None
     with torch.device("meta"):
-        model = build_model(args)
-    for block in reversed(sharded_blocks(model)):  # inner blocks before outer ones
+        sharded = UnitCounter(build_model(args))
+    for block in reversed(sharded_blocks(sharded.model)):  # inner blocks first
         fully_shard(block, **precision(block, args))
-    fully_shard(model, **precision(model, args))
-    model.to_empty(device=device)
-    for name, buffer in model.named_buffers():  # whole on every rank (not sharded)
+    fully_shard(sharded)
+    sharded.to_empty(device=device)
+    nn.init.zeros_(sharded.units)
+    for name, buffer in sharded.model.named_buffers():  # whole on every rank
         if whole is not None:
             buffer.copy_(whole.get_buffer(name))
         dist.broadcast(buffer, src=0)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    set_model_state_dict(model, whole.state_dict() if whole else {}, options=options)
-    return model
+    state = whole.state_dict() if whole else {}
+    set_model_state_dict(sharded.model, state, options=options)
+    return sharded
 
 
 def sharded_blocks(model):
     """The modules sharded on their own: the blocks of every nn.ModuleList (such as a
-    transformer's layers), else each child of the root that holds parameters (the
-    default model's layers). Another rule for your model goes here."""
+    transformer's layers), else each child of the root that holds parameters but the
+    last (the default model's layers), which the root keeps. Another rule for your
+    model goes here."""
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
     if lists:
         return [block for blocks in lists for block in blocks]
-    return [child for child in model.children() if list(child.parameters())]
+    return [child for child in model.children() if list(child.parameters())][:-1]
 
 
 def precision(module, args):
-    """With --amp bf16: gather the parameters in bfloat16 and reduce the gradients in
-    float32; not for BatchNorm, whose running statistics stay in float32."""
+    """With --amp bf16: a block gathers its parameters in bfloat16, and returns and
+    reduces in float32 (the root's dtype); not for BatchNorm, whose running
+    statistics stay in float32."""
     batch_norm = nn.modules.batchnorm._BatchNorm
     if args.amp != "bf16" or any(isinstance(m, batch_norm) for m in module.modules()):
         return {}
-    policy = MixedPrecisionPolicy(torch.bfloat16, reduce_dtype=torch.float32)
+    float32 = torch.float32
+    policy = MixedPrecisionPolicy(torch.bfloat16, float32, output_dtype=float32)
     return {"mp_policy": policy}
 {%- endmacro %}
 
@@ -160,12 +177,13 @@ def precision(module, args):
 {% macro load_for_evaluation() %}
     torch.manual_seed(args.seed)  # the data build_datasets() makes for this seed
     _, val_set = datasets(args)
-    model = build_sharded(args, device)
+    model = build_sharded(args, device)  # evaluated in the root of the sharding
     if path.is_dir():  # a checkpoint folder: its shards, resharded for this run
-        load_shards(model, None, path, "evaluate")
+        load_shards(model.model, None, path, "evaluate")
     else:
         saved = load_shared(path, device, "evaluate")
-        load_weights(model, saved["model"] if "optimizer" in saved else saved, path)
+        weights = saved["model"] if "optimizer" in saved else saved
+        load_weights(model.model, weights, path)
 {%- endmacro %}
 
 {% macro compile_flag() %}

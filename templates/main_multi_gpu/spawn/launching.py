@@ -3,10 +3,6 @@
    called from the section files (`{{ launcher.launching() }}`), in the order the
    generated file uses them. #}
 
-{% macro port_in_use() %}
-        return f"error: port {address} is in use; choose another --master-port"
-{%- endmacro %}
-
 {% macro launcher_flags() %}
     parser.add_argument(
         "--nproc-per-node",

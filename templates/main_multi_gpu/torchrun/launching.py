@@ -2,13 +2,6 @@
    workers, where spawn.py has its own version: macros called from the section files
    (`{{ launcher.launching() }}`), in the order the generated file uses them. #}
 
-{% macro port_in_use() %}
-        return (  # a port torchrun picked free for the workers
-            f"error: port {address} is in use (another program took it after "
-            "torchrun picked it); run the job again"
-        )
-{%- endmacro %}
-
 {% macro launcher_flags() %}
     parser.add_argument(
         "--torchrun",
