@@ -2,7 +2,9 @@ import ast
 import contextlib
 import csv
 import importlib.util
+import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -179,6 +181,47 @@ def run_single(project, out_dir, nproc, *args, env=None, expect=0):
     code, output = run_job(
         command, project, {"NPROC_PER_NODE": str(nproc), **(env or {})}
     )
+    assert code == expect, output
+    return output
+
+
+WARM = None  # this test worker's warm_start.py interpreter, once started
+
+
+def run_warm(project, out_dir, nproc, *args, env=None, expect=0):
+    """What run_single() does, for the tests of what training computes, without the
+    imports of a fresh launch: the ranks run main_multi_gpu.py forked from an
+    interpreter that imported torch once (warm_start.py), as their launcher (torchrun
+    or mp.spawn) would start them."""
+    global WARM
+    if "PYTHONPATH" in (env or {}):  # a sitecustomize of the test's: a fresh launch
+        return run_single(project, out_dir, nproc, *args, env=env, expect=expect)
+    if WARM is None or WARM.poll() is not None:
+        WARM = subprocess.Popen(
+            [sys.executable, str(TEMPLATE / "tests" / "warm_start.py")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+    script = (project / "run_single.sh").read_text()
+    with tempfile.NamedTemporaryFile("r", suffix=".log") as log:
+        job = {
+            "cwd": str(project),
+            "script": str(project / "main_multi_gpu.py"),
+            "args": [*args, "--output-dir", str(out_dir)],
+            "nproc": nproc,
+            "launcher": "torchrun" if "--torchrun" in script else "spawn",
+            "env": {**os.environ, **(env or {})},
+            "output": log.name,
+        }
+        WARM.stdin.write(json.dumps(job) + "\n")
+        WARM.stdin.flush()
+        leader = json.loads(WARM.stdout.readline())["pid"]
+        if not select.select([WARM.stdout], [], [], JOB_TIMEOUT)[0]:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(leader, signal.SIGKILL)
+        code = json.loads(WARM.stdout.readline())["code"]
+        output = log.read()
     assert code == expect, output
     return output
 

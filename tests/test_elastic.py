@@ -16,7 +16,7 @@ from conftest import (
     load_weights,
     max_difference,
     metrics,
-    run_single,
+    run_warm,
     without_batchnorm,
 )
 
@@ -58,7 +58,7 @@ def reference(projects, tmp_path_factory):
         key = (nproc, tuple(args))
         if key not in cache:
             out = root / f"run{len(cache)}"
-            run_single(projects["torchrun"], out, nproc, *args)
+            run_warm(projects["torchrun"], out, nproc, *args)
             cache[key] = load_weights(out / "model_final.pt"), val_losses(out)
         return cache[key]
 
@@ -69,7 +69,7 @@ def reference(projects, tmp_path_factory):
 def one_epoch_on_two(projects, tmp_path_factory):
     """The output of SHORT's first epoch on 2 processes, to resume from (in a copy)."""
     out = tmp_path_factory.mktemp("one_epoch") / "out"
-    run_single(projects["torchrun"], out, 2, *SHORT[:1], "1", *SHORT[2:])
+    run_warm(projects["torchrun"], out, 2, *SHORT[:1], "1", *SHORT[2:])
     return out
 
 
@@ -98,7 +98,7 @@ def test_two_processes_then_one_at_an_epoch_boundary(
 ):
     out = tmp_path / "out"
     shutil.copytree(one_epoch_on_two, out)
-    output = run_single(projects["torchrun"], out, 1, *SHORT)
+    output = run_warm(projects["torchrun"], out, 1, *SHORT)
     assert output.count(KEPT_2_TO_1) == 1, output
     assert "after epoch 1" in output
     assert_same_end(out, reference(2, SHORT))
@@ -107,8 +107,8 @@ def test_two_processes_then_one_at_an_epoch_boundary(
 def test_one_process_then_two_at_an_epoch_boundary(projects, reference, tmp_path):
     out = tmp_path / "out"
     first = [*SHORT[:1], "1", *SHORT[2:], "--grad-accum", "2"]
-    run_single(projects["torchrun"], out, 1, *first)
-    output = run_single(projects["torchrun"], out, 2, *SHORT)  # --grad-accum derived
+    run_warm(projects["torchrun"], out, 1, *first)
+    output = run_warm(projects["torchrun"], out, 2, *SHORT)  # --grad-accum derived
     assert output.count(KEPT_1_TO_2) == 1, output
     assert_same_end(out, reference(2, SHORT))
 
@@ -121,11 +121,11 @@ def test_two_processes_then_one_in_the_middle_of_an_epoch(
     of 512, into the epoch), resumed by one process at its step 16: the same samples,
     the same updates."""
     out = tmp_path / "out"
-    output = run_single(
+    output = run_warm(
         projects[launcher], out, 2, *LONG, env=SIGTERM_IN_EPOCH_2, expect=143
     )
     assert "preempted: saved" in output and "in epoch 2 after 8 batches" in output
-    output = run_single(projects[launcher], out, 1, *LONG)
+    output = run_warm(projects[launcher], out, 1, *LONG)
     assert output.count(KEPT_2_TO_1) == 1, output
     assert "in epoch 2 after 16 batches" in output
     assert_same_end(out, reference(2, LONG))
@@ -134,11 +134,11 @@ def test_two_processes_then_one_in_the_middle_of_an_epoch(
 def test_one_process_then_two_in_the_middle_of_an_epoch(projects, reference, tmp_path):
     out = tmp_path / "out"
     first = [*LONG, "--grad-accum", "2"]
-    output = run_single(
+    output = run_warm(
         projects["torchrun"], out, 1, *first, env=SIGTERM_IN_EPOCH_2, expect=143
     )
     assert "in epoch 2 after 16 batches" in output  # 8 updates of 2 micro-batches
-    output = run_single(projects["torchrun"], out, 2, *LONG)
+    output = run_warm(projects["torchrun"], out, 2, *LONG)
     assert output.count(KEPT_1_TO_2) == 1, output
     assert "in epoch 2 after 8 batches" in output
     assert_same_end(out, reference(2, LONG))
@@ -148,8 +148,8 @@ def test_three_processes_take_a_global_batch_they_divide(projects, reference, tm
     """24 = 2 x 12 x 1 = 3 x 4 x 2; 96 samples, so no process gets a padded share."""
     args = [*COMMON, "--train-size", "96", "--batch-size", "12"]
     out = tmp_path / "out"
-    run_single(projects["torchrun"], out, 2, *args[:1], "1", *args[2:])
-    output = run_single(projects["torchrun"], out, 3, *args[:-1], "4")
+    run_warm(projects["torchrun"], out, 2, *args[:1], "1", *args[2:])
+    output = run_warm(projects["torchrun"], out, 3, *args[:-1], "4")
     kept = (
         "resume: global batch 24 kept: 3 processes x batch 4 x grad-accum 2 (the "
         "checkpoint had 2 processes x batch 12 x grad-accum 1)"
@@ -163,7 +163,7 @@ def test_three_processes_cannot_split_sixteen(projects, one_epoch_on_two, tmp_pa
     shutil.copytree(one_epoch_on_two, out)
     kept = out / "kept.pt"
     shutil.copy(out / "checkpoint_last.pt", kept)
-    output = run_single(projects["spawn"], out, 3, *SHORT, expect=2)
+    output = run_warm(projects["spawn"], out, 3, *SHORT, expect=2)
     refusal = (
         "error: the checkpoint's global batch is 16 (2 processes x batch 8 x "
         "grad-accum 1); 3 processes x batch 8 x grad-accum 1 make 24: use a number of "

@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import bake, error_lines, metrics, run_single
+from conftest import bake, error_lines, metrics, run_warm
 
 ARGS = ["--num-workers", "0", "--val-size", "37", "--batch-size", "8"]
 
@@ -35,7 +35,7 @@ def trained(tmp_path_factory):
     """The output folder of the default project's run on 2 processes, 2 epochs."""
     root = tmp_path_factory.mktemp("trained")
     project = bake(root, save_strategy="last")
-    run_single(project, root / "out", 2, *ARGS, "--epochs", "2", "--train-size", "64")
+    run_warm(project, root / "out", 2, *ARGS, "--epochs", "2", "--train-size", "64")
     return root / "out"
 
 
@@ -53,7 +53,7 @@ def test_evaluate_equals_the_last_epoch_on_one_and_two_processes(
     before = folder_state(out)
     # The default --train-size this time: the validation set does not depend on it.
     for nproc, name in ((1, "model_final.pt"), (2, "checkpoint_last.pt")):
-        output = run_single(project, out, nproc, *ARGS, "--evaluate", str(out / name))
+        output = run_warm(project, out, nproc, *ARGS, "--evaluate", str(out / name))
         scores = printed(output, out / name)
         assert list(scores) == ["val_loss", "val_acc"]
         for key, value in scores.items():
@@ -71,7 +71,7 @@ def test_a_missing_or_unfitting_file_is_one_line(tmp_path):
         other: "error: {} does not fit the model build_model() makes (Unexpected key",
     }
     for path, message in cases.items():
-        output = run_single(
+        output = run_warm(
             project, tmp_path / "out", 2, *ARGS, "--evaluate", str(path), expect=1
         )
         errors = error_lines(output)

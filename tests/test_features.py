@@ -25,7 +25,7 @@ from conftest import (
     max_difference,
     metrics,
     run_job,
-    run_single,
+    run_warm,
 )
 
 COMMON = ["--num-workers", "0", "--val-size", "37", "--train-size", "64"]
@@ -33,7 +33,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def train(project, out_dir, *args, nproc=2, env=None):
-    return run_single(project, out_dir, nproc, *args, env=env)
+    return run_warm(project, out_dir, nproc, *args, env=env)
 
 
 def without_modules(tmp_path, *names):

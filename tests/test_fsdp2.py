@@ -20,7 +20,7 @@ from conftest import (
     max_difference,
     metrics,
     replace_user_functions,
-    run_single,
+    run_warm,
     without_batchnorm,
 )
 from test_faults import watch
@@ -60,7 +60,7 @@ def reference(tmp_path_factory):
     """An fsdp2 run never stopped, 2 ranks x batch 8."""
     root = tmp_path_factory.mktemp("reference")
     project = fsdp_project(root, save_strategy="last")
-    run_single(project, root / "out", 2, *RUN, "--batch-size", "8")
+    run_warm(project, root / "out", 2, *RUN, "--batch-size", "8")
     return project, root / "out"
 
 
@@ -68,7 +68,7 @@ def reference(tmp_path_factory):
 def test_two_ranks_equal_one_with_twice_the_batch_and_ddp(reference, tmp_path):
     project, two = reference
     one = tmp_path / "one"
-    run_single(project, one, 1, *RUN, "--batch-size", "16")
+    run_warm(project, one, 1, *RUN, "--batch-size", "16")
     assert max_difference(final(two), final(one)) < 1e-5
     assert max_difference(final(two), default_model(project).state_dict()) > 1e-2
     # Exact evaluation (37 validation samples, uneven shares): the same rows.
@@ -78,7 +78,7 @@ def test_two_ranks_equal_one_with_twice_the_batch_and_ddp(reference, tmp_path):
     without_batchnorm(ddp)
     code = (ddp / "main_multi_gpu.py").read_text()
     assert "fully_shard" not in code and "torch.distributed.checkpoint" not in code
-    run_single(ddp, tmp_path / "ddp_out", 2, *RUN, "--batch-size", "8")
+    run_warm(ddp, tmp_path / "ddp_out", 2, *RUN, "--batch-size", "8")
     assert max_difference(final(two), final(tmp_path / "ddp_out")) < 1e-5
     assert_same_rows(two, tmp_path / "ddp_out")
 
@@ -109,11 +109,11 @@ def test_resume_on_fewer_and_more_ranks_equals_a_run_never_stopped(reference, tm
     project, straight = reference
     out = tmp_path / "two_then_one"
     args = [*RUN, "--batch-size", "8"]
-    output = run_single(project, out, 2, *args, env=SIGTERM_IN_EPOCH_1, expect=143)
+    output = run_warm(project, out, 2, *args, env=SIGTERM_IN_EPOCH_1, expect=143)
     saved = f"preempted: saved {out / 'checkpoint_last'} in epoch 1 after 20 batches"
     assert saved in output, output
     assert not list(out.glob("*.tmp")) and not list(out.glob("*.old"))
-    output = run_single(project, out, 1, *args)
+    output = run_warm(project, out, 1, *args)
     assert "resume: global batch 16 kept: 1 process x batch 8 x grad-accum 2" in output
     assert "in epoch 1 after 40 batches" in output
     assert max_difference(final(out), final(straight)) < 1e-5
@@ -121,8 +121,8 @@ def test_resume_on_fewer_and_more_ranks_equals_a_run_never_stopped(reference, tm
 
     out = tmp_path / "one_then_two"
     first = [*RUN[:-3], "1", *RUN[-2:], "--batch-size", "8", "--grad-accum", "2"]
-    run_single(project, out, 1, *first)
-    output = run_single(project, out, 2, *args)
+    run_warm(project, out, 1, *first)
+    output = run_warm(project, out, 2, *args)
     assert "resumed from" in output and "after epoch 1" in output
     assert max_difference(final(out), final(straight)) < 1e-5
 
@@ -135,15 +135,13 @@ def test_clipping_the_sharded_gradients_equals_clipping_whole_ones(reference, tm
     trains close to float32."""
     project, unclipped = reference
     args = [*RUN, "--clip-grad-norm", "0.05"]
-    run_single(project, tmp_path / "two", 2, *args, "--batch-size", "8")
-    run_single(project, tmp_path / "one", 1, *args, "--batch-size", "16")
+    run_warm(project, tmp_path / "two", 2, *args, "--batch-size", "8")
+    run_warm(project, tmp_path / "one", 1, *args, "--batch-size", "16")
     assert max_difference(final(tmp_path / "two"), final(tmp_path / "one")) < 1e-5
     assert max_difference(final(tmp_path / "two"), final(unclipped)) > 1e-3
 
     folder = tmp_path / "two" / "checkpoint_last"
-    output = run_single(
-        project, tmp_path / "two", 1, *COMMON, "--evaluate", str(folder)
-    )
+    output = run_warm(project, tmp_path / "two", 1, *COMMON, "--evaluate", str(folder))
     (line,) = [x for x in output.splitlines() if x.startswith("evaluate ")]
     head, _, values = line.partition("  ")
     assert head == f"evaluate {folder}"
@@ -153,7 +151,7 @@ def test_clipping_the_sharded_gradients_equals_clipping_whole_ones(reference, tm
         assert float(scores[key]) == pytest.approx(float(last[key]), rel=1e-5)
 
     bf16 = tmp_path / "bf16"
-    run_single(project, bf16, 2, *RUN, "--batch-size", "8", "--amp", "bf16")
+    run_warm(project, bf16, 2, *RUN, "--batch-size", "8", "--amp", "bf16")
     assert 0 < max_difference(final(bf16), final(unclipped)) < 0.01
 
 
@@ -176,7 +174,7 @@ def test_each_rank_holds_one_over_world_size(tmp_path):
     replace_user_functions(project, BIG)
     memory = {}
     for world in (1, 2, 4):
-        output = run_single(
+        output = run_warm(
             project,
             tmp_path / f"w{world}",
             world,
@@ -220,7 +218,7 @@ def test_a_crash_while_saving_keeps_the_previous_folder_and_a_nan_saves_nothing(
     assert code != 0 and left == [], output
     assert (out / "checkpoint_last.tmp" / ".metadata").exists()  # written, not kept
     assert load_weights(out / "checkpoint_last" / "train_state.pt")["epoch"] == 1
-    output = run_single(project, out, 2, *RUN, "--batch-size", "8")
+    output = run_warm(project, out, 2, *RUN, "--batch-size", "8")
     assert "after epoch 1" in output
     assert max_difference(final(out), final(straight)) < 1e-5
 
@@ -241,7 +239,7 @@ def test_a_crash_while_saving_keeps_the_previous_folder_and_a_nan_saves_nothing(
         "    return loss, len(labels)\n",
     )
     third = [*RUN[:-3], "3", *RUN[-2:], "--batch-size", "8"]
-    output = run_single(nan, out, 2, *third, expect=1)
+    output = run_warm(nan, out, 2, *third, expect=1)
     errors = error_lines(output)
     line = (
         "error: the loss is nan in epoch 3 at batch 2 (rank 1); stopped without saving "
@@ -257,7 +255,7 @@ def test_fsdp2_on_gpu_with_nccl_and_bf16(tmp_path):
     project = fsdp_project(tmp_path, save_strategy="last")
     out = tmp_path / "out"
     args = [*RUN, "--batch-size", "8", "--amp", "bf16", "--backend", "nccl"]
-    output = run_single(project, out, torch.cuda.device_count(), *args)
+    output = run_warm(project, out, torch.cuda.device_count(), *args)
     assert "memory per rank: parameters" in output
     assert all(type(t) is torch.Tensor for t in final(out).values())
     assert [row["epoch"] for row in metrics(out)] == ["1", "2"]

@@ -14,7 +14,7 @@ from conftest import (
     load_weights,
     max_difference,
     metrics,
-    run_single,
+    run_warm,
     without_batchnorm,
 )
 
@@ -24,7 +24,7 @@ SAME = ("epoch", "train_loss", "val_loss", "val_acc", "lr")  # samples_per_s var
 
 
 def train(project, out_dir, nproc, *args):
-    return run_single(project, out_dir, nproc, *COMMON, *args)
+    return run_warm(project, out_dir, nproc, *COMMON, *args)
 
 
 def initial_weights(project):

@@ -27,7 +27,7 @@ from conftest import (
     max_difference,
     metrics,
     replace_user_functions,
-    run_single,
+    run_warm,
     without_batchnorm,
 )
 
@@ -236,7 +236,7 @@ def adapted(tmp_path, name, source, **answers):
 
 
 def train(project, out_dir, nproc, *args, expect=0, env=None):
-    return run_single(project, out_dir, nproc, *COMMON, *args, env=env, expect=expect)
+    return run_warm(project, out_dir, nproc, *COMMON, *args, env=env, expect=expect)
 
 
 def final(out_dir):
