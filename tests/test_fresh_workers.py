@@ -73,3 +73,49 @@ def test_a_dataset_workers_cannot_receive_is_one_line(tmp_path):
     assert "Traceback" not in output
     # With --num-workers 0 nothing is pickled, and the same data trains.
     run_single(project, tmp_path / "zero", 2, *TINY)
+
+
+# Each DataLoader worker, as it starts (before a line of torch's or this file's own:
+# while it unpickles its copy of the dataset), sends SIGTERM to every process of its
+# rank, as a scheduler stopping the job would at that moment.
+SIGNALLED_AS_IT_STARTS = """
+class SignalOnArrival(torch.utils.data.Dataset):
+    def __init__(self, data):
+        self.data = data
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, index):
+        return self.data[index]
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        os.killpg(os.getpgrp(), signal.SIGTERM)
+        time.sleep(0.5)  # the signal arrives here, if not ignored
+
+
+def build_datasets(args):
+    generator = torch.Generator().manual_seed(args.seed)
+    images = torch.randn(args.train_size + args.val_size, 3, 16, 16, generator=generator)
+    labels = torch.randint(10, (len(images),), generator=generator)
+    data = TensorDataset(images, labels)
+    train = Subset(data, range(args.train_size))
+    val = Subset(data, range(args.train_size, len(data)))
+    return SignalOnArrival(train), val
+"""
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
+def test_a_sigterm_to_the_job_as_workers_start_saves_and_stops(tmp_path, launcher):
+    """SIGTERM and Ctrl-C reach every process of a job, a DataLoader worker still
+    starting too: it ignores them from birth (as its fork server), so the run saves
+    and stops as after any SIGTERM (before: the worker died, and the run ended in a
+    traceback, "DataLoader worker ... exited unexpectedly", saving nothing)."""
+    project = bake(tmp_path, launcher=launcher, save_strategy="last")
+    replace_user_functions(project, SIGNALLED_AS_IT_STARTS)
+    args = [*TINY[:-2], "--num-workers", "2"]
+    output = run_single(project, tmp_path / "out", 2, *args, expect=143)
+    assert "Traceback" not in output and "exited unexpectedly" not in output, output
+    assert error_lines(output) == [], output
+    assert output.count("preempted: saved ") == 1, output

@@ -183,9 +183,9 @@ class StreamShard(IterableDataset):
 
 
 def loader_worker_init(worker_id, trainer):
-    """DataLoader workers keep serving batches on SIGTERM and Ctrl-C: the training
-    process stops at its next check, saves, and shuts them down itself. They end when
-    it ends, however it ends (kill -9 too): their fork server lives while they do."""
+    """DataLoader workers ignore SIGTERM and Ctrl-C (torch's handler undone): the
+    training process stops at its next check, saves, and shuts them down itself. They
+    end when it ends, however it ends (kill -9 too): their fork server lives on."""
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, signal.SIG_IGN)
     faulthandler.register(signal.SIGUSR1, all_threads=False)  # for the hang watch

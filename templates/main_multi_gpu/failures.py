@@ -40,12 +40,8 @@ def leave(status):
 
 
 def stop_now(status):
-    """Exit at once (from any thread). SIGTERM ends the fork server (no new DataLoader
-    worker) and a worker not started yet; the others end with this process (see
-    loader_worker_init); the resource tracker ignores it, and cleans up after them."""
-    for pid in descendants(os.getpid()):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
+    """Exit at once (from any thread), ending what this process started."""
+    stop_children()
     os._exit(status)
 
 
@@ -59,14 +55,30 @@ def descendants(pid):
     return found
 
 
-def stop_loader_workers():
-    """This process's DataLoader workers ignore SIGTERM (see loader_worker_init), so
-    they are killed here rather than left to Python's exit, which would wait for them
-    forever after SIGTERM-ing them."""
-    # Else torch's SIGCHLD handler reports each of these deaths as an error.
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    for child in multiprocessing.active_children():
-        child.kill()
+def start_fork_server():
+    """Start the DataLoader workers' fork server (torch imported) and resource tracker
+    (quiet on what an os._exit left): both, and each worker, ignore SIGTERM, Ctrl-C."""
+    multiprocessing.set_forkserver_preload(["__main__", "torch"])
+    os.environ.setdefault("PYTHONWARNINGS", "ignore:resource_tracker:UserWarning")
+    stops = {signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stops)  # meanwhile held for this process
+    default = {signum: signal.signal(signum, signal.SIG_IGN) for signum in stops}
+    multiprocessing.forkserver.ensure_running()  # SIG_IGN survives its exec
+    for signum, handler in default.items():
+        signal.signal(signum, handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)  # delivered now, if sent
+
+
+def stop_children():
+    """End at once what this process started (DataLoader workers ignore SIGTERM, and
+    Python's exit would wait for them) but the resource tracker, which cleans up."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # else torch reports each end
+    tracker = getattr(multiprocessing, "resource_tracker", None)  # with workers
+    for pid in descendants(os.getpid()):
+        if not tracker or pid != tracker._resource_tracker._pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def keep_freed_memory(limit=1 << 30):
@@ -128,10 +140,8 @@ class HangWatch:
     def start(self, store, timeout):
         self.store, self.timeout = store, timeout
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # fresh keys
-        self.prefix = f"hang/{restart}/"
-        self.thread = threading.Thread(target=self.watch, name="hang watch")
-        self.thread.daemon = True
+        self.prefix = f"hang/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        self.thread = threading.Thread(target=self.watch, name="watch", daemon=True)
         self.thread.start()
 
     def key(self, name):
@@ -214,15 +224,9 @@ class HangWatch:
                 "every rank waits in a collective: not all in the same one (a rank "
                 "skipped or added one), or the network between them stalled."
             )
-        print(
-            f"hang: no progress for {self.timeout:g} s (--dist-timeout); where each "
-            "rank stood:",
-            *lines,
-            verdict,
-            sep="\n",
-            file=sys.stderr,
-            flush=True,
-        )
+        head = f"hang: no progress for {self.timeout:g} s (--dist-timeout); where each"
+        text = "\n".join([f"{head} rank stood:", *lines, verdict])
+        print(text, file=sys.stderr, flush=True)
 
 
 WATCH = HangWatch()

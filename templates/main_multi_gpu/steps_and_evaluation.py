@@ -28,9 +28,8 @@ class LossSums:
 
 
 class UnitCounter(nn.Module):
-    """The model and one more parameter, zero, {{ par.counter_host }}: each
-    micro-batch adds units x n to its loss, so the reduction of the gradients brings,
-    in the same call, the mean n per rank of an update: no collective of its own."""
+    """The model and a parameter, zero, {{ par.counter_host }}: each micro-batch adds
+    units x n to its loss, so the gradients' reduction brings the mean n per rank."""
 
     def __init__(self, model):
         super().__init__()

@@ -13,9 +13,8 @@ def run(args):
     error line (failure()); or 128 + the signal that stopped training.
     """
     keep_freed_memory()  # before any tensor, and so before any DataLoader worker
-    multiprocessing.set_forkserver_preload(["__main__", "torch"])  # loader_options
-    # (Its resource tracker frees their semaphores after an os._exit: no warning.)
-    os.environ.setdefault("PYTHONWARNINGS", "ignore:resource_tracker:UserWarning")
+    if args.num_workers:  # the DataLoader workers' fork server (loader_options), now:
+        start_fork_server()  # before any signal handler of this file's
     spare_the_garbage_collector()
     faulthandler.enable()  # a crash in C code (an abort) still shows the Python stack
 {% if not spawn %}
@@ -43,17 +42,17 @@ def run(args):
             status = train(args, device)
         dist.barrier()  # everyone finishes together, after rank 0's last save
     except RuntimeError as err:
+        if WATCH.reporting:  # a hang report ends the ranks and their workers: finish it
+            WATCH.thread.join()
         if not (isinstance(err, dist.DistError) or any(s in str(err) for s in LOST)):
             raise  # its traceback now: destroy_process_group() could wait (NCCL)
-        if WATCH.reporting:  # the other ranks left after a hang report: finish it
-            WATCH.thread.join()
         report_lost_peer(err)
         return 1  # and no destroy_process_group(): it would wait for the lost rank
     except SystemExit as stop:  # failure(): rank 0 has said why
         status = stop.code
     finally:
         WATCH.stop()
-        stop_loader_workers()
+        stop_children()
     dist.destroy_process_group()
     return status
 
@@ -97,17 +96,20 @@ def setup_distributed(backend, timeout):
 {% endif %}
     address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     try:
-        # The rendezvous (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) gives a store the
-        # hang watch uses too. A collective fails after twice the timeout and
-        # COLLECTIVE_GRACE, so that the hang watch (the timeout without progress)
-        # reports first: NCCL's watchdog counts from when a collective was queued,
-        # which can be steps before this rank stopped making progress.
+        # The rendezvous gives a store the hang watch uses too. A collective fails
+        # after twice the timeout and COLLECTIVE_GRACE, so the hang watch (the timeout
+        # without progress) speaks first: NCCL's watchdog counts from when a collective
+        # was queued, which can be steps before this rank stopped making progress.
         store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
-{% if not spawn %}
+{% if not spawn and multi %}
         if os.environ.get("GROUP_WORLD_SIZE") == "1":  # one torchrun, one count
             # torchrun's own store outlives a restart: keys of this attempt only.
-            attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
             store = dist.PrefixStore(f"attempt {attempt}", store)
+{% elif not spawn %}
+        # torchrun's own store outlives a restart: keys of this attempt only.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"attempt {attempt}", store)
 {% endif %}
         dist.init_process_group(
             backend,
