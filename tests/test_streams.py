@@ -368,10 +368,11 @@ def test_the_readme_stream_examples_train_and_resume(tmp_path):
     # 39 lines, 16 a global batch: 3 updates a pass.
     args = ["--lr", "0.2", "--max-steps", "9", "--save-every", "1"]
     run_warm(project, tmp_path / "straight", 2, *args, "--batch-size", "8")
-    stop = {"TEST_ACTION": SIGTERM, "TEST_ACT_AT": "0:1:0"}
+    # After pass 2's second update, when its DataLoader workers have all started.
+    stop = {"TEST_ACTION": SIGTERM, "TEST_ACT_AT": "0:1:1"}
     out = tmp_path / "out"
     output = run_warm(project, out, 2, *args, "--batch-size", "8", env=stop, expect=143)
-    assert "in epoch 2 after 1 batch" in output
+    assert "in epoch 2 after 2 batches" in output
     output = run_warm(project, out, 1, *args, "--batch-size", "8")
-    assert "in epoch 2 after 2 batches" in output and "reads its first" not in output
+    assert "in epoch 2 after 4 batches" in output and "reads its first" not in output
     assert max_difference(final(out), final(tmp_path / "straight")) < 1e-5
