@@ -6,6 +6,18 @@ import pytest
 
 from conftest import TINY, bake, error_lines, replace_user_functions, run_single
 
+# Random images and labels in train_size + val_size samples, split in two (train and
+# val), for a build_datasets() that wraps them in a dataset of its test.
+SPLIT_DATA = """
+def build_datasets(args):
+    generator = torch.Generator().manual_seed(args.seed)
+    images = torch.randn(args.train_size + args.val_size, 3, 16, 16, generator=generator)
+    labels = torch.randint(10, (len(images),), generator=generator)
+    data = TensorDataset(images, labels)
+    train = Subset(data, range(args.train_size))
+    val = Subset(data, range(args.train_size, len(data)))
+"""
+
 # The default data, each sample checked in the worker that loads it: started by the
 # fork server (not by the training process), with this file imported as __mp_main__.
 CHECKED_ORIGIN = """
@@ -27,15 +39,8 @@ class Checked(torch.utils.data.Dataset):
         return self.data[index]
 
 
-def build_datasets(args):
-    generator = torch.Generator().manual_seed(args.seed)
-    images = torch.randn(args.train_size + args.val_size, 3, 16, 16, generator=generator)
-    labels = torch.randint(10, (len(images),), generator=generator)
-    data = TensorDataset(images, labels)
-    train = Subset(data, range(args.train_size))
-    val = Subset(data, range(args.train_size, len(data)))
-    return Checked(train), Checked(val)
 """
+CHECKED_ORIGIN += SPLIT_DATA + "    return Checked(train), Checked(val)\n"
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
@@ -95,15 +100,8 @@ class SignalOnArrival(torch.utils.data.Dataset):
         time.sleep(0.5)  # the signal arrives here, if not ignored
 
 
-def build_datasets(args):
-    generator = torch.Generator().manual_seed(args.seed)
-    images = torch.randn(args.train_size + args.val_size, 3, 16, 16, generator=generator)
-    labels = torch.randint(10, (len(images),), generator=generator)
-    data = TensorDataset(images, labels)
-    train = Subset(data, range(args.train_size))
-    val = Subset(data, range(args.train_size, len(data)))
-    return SignalOnArrival(train), val
 """
+SIGNALLED_AS_IT_STARTS += SPLIT_DATA + "    return SignalOnArrival(train), val\n"
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
