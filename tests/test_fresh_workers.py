@@ -80,9 +80,10 @@ def test_a_dataset_workers_cannot_receive_is_one_line(tmp_path):
     run_single(project, tmp_path / "zero", 2, *TINY)
 
 
-# Each DataLoader worker, as it starts (before a line of torch's or this file's own:
-# while it unpickles its copy of the dataset), sends SIGTERM to every process of its
-# rank, as a scheduler stopping the job would at that moment.
+# Each DataLoader worker, as it starts, sends SIGTERM to every process of its rank, as
+# a scheduler stopping the job would at that moment: once while it unpickles its copy
+# of the dataset (before a line of torch's or this file's own), and once right after
+# torch's worker loop installed its own SIGTERM handler (before worker_init_fn runs).
 SIGNALLED_AS_IT_STARTS = """
 class SignalOnArrival(torch.utils.data.Dataset):
     def __init__(self, data):
@@ -96,6 +97,18 @@ class SignalOnArrival(torch.utils.data.Dataset):
 
     def __setstate__(self, state):
         self.__dict__.update(state)
+        self.signal_the_job()
+        handlers = torch.utils.data._utils.signal_handling
+        torch_own = handlers._set_worker_signal_handlers
+
+        def then_signal():
+            torch_own()
+            self.signal_the_job()
+
+        handlers._set_worker_signal_handlers = then_signal
+
+    @staticmethod
+    def signal_the_job():
         os.killpg(os.getpgrp(), signal.SIGTERM)
         time.sleep(0.5)  # the signal arrives here, if not ignored
 

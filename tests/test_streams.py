@@ -213,9 +213,8 @@ def test_a_seekable_stream_resumes_mid_pass_on_other_ranks_twice(tmp_path, strai
     env = {"TEST_ACTION": SIGTERM, "SEEK_LOG": str(log)}
     two = [*RUN, "--batch-size", "8", "--num-workers", "2"]
     one = [*RUN, "--batch-size", "8", "--num-workers", "0"]
-    # After update 2, when every DataLoader worker has served a batch (see below).
     output = run_warm(
-        project, out, 2, *two, env={**env, "TEST_ACT_AT": "0:0:1"}, expect=143
+        project, out, 2, *two, env={**env, "TEST_ACT_AT": "0:0:0"}, expect=143
     )
     assert "preempted: saved" in output and "in epoch 1 after 2 batches" in output
     output = run_warm(
@@ -241,8 +240,8 @@ def test_a_stream_without_state_reads_up_to_where_it_stopped(tmp_path, straight)
     out = tmp_path / "out"
     two = [*RUN, "--batch-size", "8"]
     # After the second update, when both DataLoader workers have served a batch: at
-    # the first, one may still be starting, between torch's own SIGTERM handler and
-    # worker_init_fn, where a SIGTERM to the group still ends it (README).
+    # the first, one may still be starting, and the SIGTERM to the group can end it
+    # before it ignores SIGTERM (a known window: README, "known rare failures").
     env = {"TEST_ACTION": SIGTERM, "TEST_ACT_AT": "0:0:1"}
     run_warm(project, out, 2, *two, env=env, expect=143)
     output = run_warm(project, out, 1, *two, "--num-workers", "2")
@@ -368,11 +367,10 @@ def test_the_readme_stream_examples_train_and_resume(tmp_path):
     # 39 lines, 16 a global batch: 3 updates a pass.
     args = ["--lr", "0.2", "--max-steps", "9", "--save-every", "1"]
     run_warm(project, tmp_path / "straight", 2, *args, "--batch-size", "8")
-    # After pass 2's second update, when its DataLoader workers have all started.
-    stop = {"TEST_ACTION": SIGTERM, "TEST_ACT_AT": "0:1:1"}
+    stop = {"TEST_ACTION": SIGTERM, "TEST_ACT_AT": "0:1:0"}
     out = tmp_path / "out"
     output = run_warm(project, out, 2, *args, "--batch-size", "8", env=stop, expect=143)
-    assert "in epoch 2 after 2 batches" in output
+    assert "in epoch 2 after 1 batch" in output
     output = run_warm(project, out, 1, *args, "--batch-size", "8")
-    assert "in epoch 2 after 4 batches" in output and "reads its first" not in output
+    assert "in epoch 2 after 2 batches" in output and "reads its first" not in output
     assert max_difference(final(out), final(tmp_path / "straight")) < 1e-5

@@ -58,8 +58,16 @@ def loader_options(data, args, device):
         "num_workers": args.num_workers,
         "multiprocessing_context": "forkserver" if args.num_workers else None,
         "pin_memory": device.type == "cuda",
-        "worker_init_fn": functools.partial(loader_worker_init, trainer=os.getpid()),
+        "worker_init_fn": functools.partial(loader_worker_init, os.getpid(), Held()),
     }
+
+
+class Held:
+    """Unpickled in a new DataLoader worker (before torch's SIGTERM handler is set
+    there), it holds SIGTERM and Ctrl-C back for good: never delivered there."""
+
+    def __reduce__(self):
+        return signal.pthread_sigmask, (signal.SIG_BLOCK, STOPS)
 
 
 def build_loaders(train_set, val_set, args, device):
@@ -182,12 +190,10 @@ class StreamShard(IterableDataset):
                 pending = (batch, bool(share), position)
 
 
-def loader_worker_init(worker_id, trainer):
-    """DataLoader workers ignore SIGTERM and Ctrl-C (torch's handler undone): the
-    training process stops at its next check, saves, and shuts them down itself. They
-    end when it ends, however it ends (kill -9 too): their fork server lives on."""
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, signal.SIG_IGN)
+def loader_worker_init(trainer, held, worker_id):
+    """DataLoader workers never see SIGTERM or Ctrl-C (`held`): the training process
+    stops at its next check, saves, and shuts them down itself. They end when it
+    ends, however it ends (kill -9 too): their fork server lives on."""
     faulthandler.register(signal.SIGUSR1, all_threads=False)  # for the hang watch
     if hasattr(os, "pidfd_open"):  # Linux
         threading.Thread(target=exit_with, args=(trainer,), daemon=True).start()

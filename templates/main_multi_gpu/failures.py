@@ -2,7 +2,8 @@
 # Stops, failures and hangs: say which rank, and where
 # --------------------------------------------------------------------------------------
 COLLECTIVE_GRACE = 30  # seconds a collective waits beyond twice --dist-timeout
-STOP_SIGNAL = None  # the first SIGTERM or SIGINT received: stop, save, exit 128 + it
+STOPS = (signal.SIGTERM, signal.SIGINT)  # a scheduler's or a terminal's, and Ctrl-C
+STOP_SIGNAL = None  # the first of STOPS received: stop, save, exit 128 + it
 
 
 def failure(message, status=1):
@@ -60,13 +61,12 @@ def start_fork_server():
     (quiet on what an os._exit left): both, and each worker, ignore SIGTERM, Ctrl-C."""
     multiprocessing.set_forkserver_preload(["__main__", "torch"])
     os.environ.setdefault("PYTHONWARNINGS", "ignore:resource_tracker:UserWarning")
-    stops = {signal.SIGTERM, signal.SIGINT}
-    signal.pthread_sigmask(signal.SIG_BLOCK, stops)  # meanwhile held for this process
-    default = {signum: signal.signal(signum, signal.SIG_IGN) for signum in stops}
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)  # meanwhile held for this process
+    default = {signum: signal.signal(signum, signal.SIG_IGN) for signum in STOPS}
     multiprocessing.forkserver.ensure_running()  # SIG_IGN survives its exec
     for signum, handler in default.items():
         signal.signal(signum, handler)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)  # delivered now, if sent
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)  # delivered now, if sent
 
 
 def stop_children():

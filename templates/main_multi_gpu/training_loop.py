@@ -8,10 +8,8 @@ AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def run(args):
     """One process's life: join the group, train (or check), always leave the group.
-
     Returns the exit status: 0; 1 when another rank was lost; 1 or 2 after a clear
-    error line (failure()); or 128 + the signal that stopped training.
-    """
+    error line (failure()); or 128 + the signal that stopped training."""
     keep_freed_memory()  # before any tensor, and so before any DataLoader worker
     if args.num_workers:  # the DataLoader workers' fork server (loader_options), now:
         start_fork_server()  # before any signal handler of this file's
@@ -26,10 +24,9 @@ def run(args):
 {% endif %}
     device, store = setup_distributed(args.backend, args.dist_timeout)
     choose_kernels(device, args.deterministic)
-    # From here on, SIGTERM and Ctrl-C stop training at the next check, with a save.
-    # (Before, SIGTERM ends the process at once; the rendezvous waits in C++, where a
-    # Python handler would not run.)
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    # From here on, SIGTERM and Ctrl-C stop training at the next check, with a save
+    # (before, at once: the rendezvous waits in C++, where no Python handler runs).
+    for signum in STOPS:
         signal.signal(signum, on_stop_signal)
     WATCH.start(store, args.dist_timeout)
     try:
@@ -71,10 +68,8 @@ def cuda_problem(backend, processes_here):
 
 
 def setup_distributed(backend, timeout):
-    """DDP change 1: join the process group and pick this process's device.
-
-    A single-GPU script would only pick a device.
-    """
+    """DDP change 1: join the process group and pick this process's device (a
+    single-GPU script would only pick a device)."""
     cuda = torch.cuda.is_available()
     if backend == "auto":
         backend = "nccl" if cuda else "gloo"
@@ -82,11 +77,10 @@ def setup_distributed(backend, timeout):
     problem = cuda_problem(backend, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     if problem:
         raise failure(problem)
+    device = torch.device("cpu")
     if cuda:
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)  # before anything else touches CUDA
-    else:
-        device = torch.device("cpu")
     timeout = timedelta(seconds=timeout)
 {% if not spawn %}
     if "RANK" not in os.environ:  # started without a launcher: a group of one

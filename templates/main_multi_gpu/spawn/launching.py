@@ -126,7 +126,7 @@ def main():
             if process.is_alive():
                 process.terminate()  # SIGTERM: each worker saves, then exits
 
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    for signum in STOPS:
         signal.signal(signum, on_signal)  # before they start: the workers reset it
     quiet_torch_logs("torch", SPAWN_CHATTER)
     # Its resource tracker, which the workers share, frees what their os._exit left.

@@ -50,7 +50,7 @@ def launch(options, timeout, backend):
                     os.killpg(pid, signal.SIGKILL)
             abort_line()
 
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    for signum in STOPS:
         signal.signal(signum, on_signal)
     # The workers run this file with the same arguments; torchrun leaves SIGTERM and
     # SIGINT to the handler above.
