@@ -128,6 +128,21 @@ BAD_MULTI_ENV = [
     ({"NPROC_PER_NODE": "x"}, "NPROC_PER_NODE must be a whole number of at least 1"),
     ({"MASTER_PORT": "70000"}, "MASTER_PORT must be at most 65535, not 70000"),
 ]
+# NNODES=MIN:MAX (elastic) with torchrun; spawn has no such thing.
+BAD_ELASTIC_ENV = {
+    "torchrun": [
+        ({"NNODES": "3:2"}, "NNODES=MIN:MAX needs 1 <= MIN <= MAX, not '3:2'"),
+        ({"NNODES": "0:2"}, "NNODES=MIN:MAX needs 1 <= MIN <= MAX, not '0:2'"),
+        ({"NNODES": "2:x"}, "NNODES must be a whole number of at least 1, not '2:x'"),
+        ({"NNODES": "1:2", "NODE_RANK": "0"}, "NODE_RANK is not used with NNODES=1:2"),
+    ],
+    "spawn": [
+        (
+            {"NNODES": "1:2"},
+            "NNODES=1:2: elastic membership (MIN:MAX) needs the torchrun",
+        ),
+    ],
+}
 
 
 def refusals(project, cases, script="./run_single.sh"):
@@ -201,7 +216,8 @@ def test_a_flag_that_cannot_work_is_one_line_through_every_script(tmp_path, laun
     in_a_file = f"argument --output-dir: {project}/notes.txt is a file, not a folder"
     cases += [(["--output-dir", "notes.txt/out"], in_a_file)]
     refusals(project, cases)
-    refusals(project, [BAD_FLAGS[1], *BAD_MULTI_ENV], script="./run_multi.sh")
+    cases = [BAD_FLAGS[1], *BAD_MULTI_ENV, *BAD_ELASTIC_ENV[launcher]]
+    refusals(project, cases, script="./run_multi.sh")
 
 
 def test_a_learning_rate_of_zero_is_a_probe_that_moves_nothing(tmp_path):

@@ -7,6 +7,15 @@
 # one per GPU). DIST_TIMEOUT: seconds to wait for the other machines (default 600).
 {% if cookiecutter.launcher == "torchrun" %}
 # MAX_RESTARTS: how often torchrun restarts all workers after a failure (default 0).
+#
+# Elastic: NNODES=MIN:MAX (e.g. 2:4), and the same command on every machine (no
+# NODE_RANK). Machines may be lost or join while the run goes on: the others restart
+# from the last checkpoint (--save-every N) with its global batch, as long as MIN
+# remain, the machine that holds MASTER_ADDR among them (it hosts the rendezvous),
+# and --output-dir is on a disk every machine shares. Or RDZV_FILE=/shared/path: the
+# rendezvous in that file on the shared disk, so that any machine may be lost.
+# MAX_RESTARTS defaults to 10 there (a lost machine takes one).
+#   every machine:  NNODES=2:4 MASTER_ADDR=10.0.0.1 ./run_multi.sh --save-every 50
 {% endif %}
 # Gloo and NCCL are told to use the network interface that reaches MASTER_ADDR; to
 # choose another, set GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME (e.g. eth0) yourself.
@@ -24,6 +33,28 @@ require_number() {
 }
 
 NNODES="${NNODES:-1}"
+{% if cookiecutter.launcher == "torchrun" %}
+elastic=""
+if [[ "${NNODES}" =~ ^([0-9]+):([0-9]+)$ ]]; then
+  elastic="${NNODES}"
+  if ((10#${BASH_REMATCH[1]} < 1 || 10#${BASH_REMATCH[1]} > 10#${BASH_REMATCH[2]})); then
+    echo "error: NNODES=MIN:MAX needs 1 <= MIN <= MAX, not '${NNODES}'" >&2
+    exit 2
+  elif [[ -n "${NODE_RANK:-}" ]]; then
+    echo "error: NODE_RANK is not used with NNODES=${NNODES}: every machine runs the" \
+      "same command (torchrun numbers them); unset it" >&2
+    exit 2
+  fi
+  NNODES="${BASH_REMATCH[2]}"  # for the checks below
+fi
+{% else %}
+if [[ "${NNODES}" == *:* ]]; then
+  echo "error: NNODES=${NNODES}: elastic membership (MIN:MAX) needs the torchrun" \
+    "launcher (this project starts its processes with torch.multiprocessing); give" \
+    "the number of machines" >&2
+  exit 2
+fi
+{% endif %}
 NODE_RANK="${NODE_RANK:-0}"
 MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
 MASTER_PORT="${MASTER_PORT:-29500}"
@@ -43,7 +74,7 @@ elif ((10#${MASTER_PORT} > 65535)); then
   exit 2
 fi
 {% if cookiecutter.launcher == "torchrun" %}
-MAX_RESTARTS="${MAX_RESTARTS:-0}"
+MAX_RESTARTS="${MAX_RESTARTS:-$([[ -n "${elastic}" ]] && echo 10 || echo 0)}"
 require_number MAX_RESTARTS 0
 {% endif %}
 
@@ -81,6 +112,18 @@ if [[ -n "${network}" ]]; then
   echo "network:${network}"
 fi
 
+{% if cookiecutter.launcher == "torchrun" %}
+# Elastic: the machine that holds MASTER_ADDR hosts the rendezvous (torchrun's own
+# guess goes by what the host name resolves to, often another address; it is left to
+# guess only without `ip`). The check below is then the host's.
+host=""
+if [[ -n "${src:-}" ]]; then
+  host=$([[ "${src}" == "${master_ip}" ]] && echo 1 || echo 0)
+fi
+if [[ -n "${elastic}" ]]; then
+  NODE_RANK=$([[ "${host}" == 1 && -z "${RDZV_FILE:-}" ]] && echo 0 || echo 1)
+fi
+{% endif %}
 # Machine 0 hosts the rendezvous on MASTER_PORT: stop now if something else holds it.
 # Bound as TCPStore binds it (SO_REUSEADDR): a port left in TIME_WAIT counts as free.
 if [[ "${NODE_RANK}" == 0 ]] \
@@ -91,18 +134,41 @@ if [[ "${NODE_RANK}" == 0 ]] \
   exit 1
 fi
 
-echo "rendezvous: node ${NODE_RANK} of ${NNODES}, ${NPROC_PER_NODE} processes per node," \
-  "master ${MASTER_ADDR}:${MASTER_PORT}, timeout ${DIST_TIMEOUT} s"
 {% if cookiecutter.launcher == "torchrun" %}
 # main_multi_gpu.py runs torchrun itself, in its own process: it checks the arguments
 # first, and a failure, Ctrl-C or SIGTERM then ends in one line and the exit status
 # above.
-torchrun="--nnodes=${NNODES} --node-rank=${NODE_RANK}"
-torchrun+=" --nproc-per-node=${NPROC_PER_NODE} --max-restarts=${MAX_RESTARTS}"
-torchrun+=" --master-addr=${MASTER_ADDR} --master-port=${MASTER_PORT}"
-torchrun+=" --rdzv-conf=timeout=${DIST_TIMEOUT}"
+torchrun="--nproc-per-node=${NPROC_PER_NODE} --max-restarts=${MAX_RESTARTS}"
+if [[ -z "${elastic}" ]]; then
+  echo "rendezvous: node ${NODE_RANK} of ${NNODES}, ${NPROC_PER_NODE} processes per" \
+    "node, master ${MASTER_ADDR}:${MASTER_PORT}, timeout ${DIST_TIMEOUT} s"
+  torchrun+=" --nnodes=${NNODES} --node-rank=${NODE_RANK}"
+  torchrun+=" --master-addr=${MASTER_ADDR} --master-port=${MASTER_PORT}"
+  torchrun+=" --rdzv-conf=timeout=${DIST_TIMEOUT}"
+else
+  # torchrun's c10d rendezvous (main_multi_gpu.py names it "elastic": it tells the
+  # workers each round), with a new round formed within seconds of a change.
+  conf="join_timeout=${DIST_TIMEOUT},last_call_timeout=2"
+  conf+=",keep_alive_interval=2,keep_alive_max_attempt=3"
+  if [[ -n "${RDZV_FILE:-}" ]]; then
+    where="file ${RDZV_FILE}"
+    torchrun+=" --rdzv-endpoint=${RDZV_FILE} --rdzv-conf=${conf},store_type=file"
+  else
+    where="${MASTER_ADDR}:${MASTER_PORT}"
+    if [[ "${host}" == 1 ]]; then
+      where+=", hosted here"
+    fi
+    torchrun+=" --rdzv-endpoint=${MASTER_ADDR}:${MASTER_PORT}"
+    torchrun+=" --rdzv-conf=${conf}${host:+,is_host=${host}}"
+  fi
+  echo "rendezvous: elastic, ${elastic} machines of ${NPROC_PER_NODE} processes," \
+    "at ${where}, up to ${MAX_RESTARTS} restarts"
+  torchrun+=" --nnodes=${elastic} --rdzv-backend=elastic"
+fi
 exec python3 "$(dirname "$0")/main_multi_gpu.py" --torchrun="${torchrun}" "$@"
 {% else %}
+echo "rendezvous: node ${NODE_RANK} of ${NNODES}, ${NPROC_PER_NODE} processes per node," \
+  "master ${MASTER_ADDR}:${MASTER_PORT}, timeout ${DIST_TIMEOUT} s"
 exec python3 "$(dirname "$0")/main_multi_gpu.py" --nnodes="${NNODES}" \
   --node-rank="${NODE_RANK}" --nproc-per-node="${NPROC_PER_NODE}" \
   --master-addr="${MASTER_ADDR}" --master-port="${MASTER_PORT}" "$@"

@@ -304,23 +304,31 @@ def handles(pid, signum):
 def report_lost_peer(err):
     """This rank's stack, and one line: where it was, and what broke."""
     rank = dist.get_rank()
+{% if multi and not spawn %}
+    elastic = "ELASTIC_ROUND" in os.environ  # NNODES=MIN:MAX: torchrun goes on
+    if not elastic:
+        print_stacks(rank, err.__traceback__)
+{% else %}
     print_stacks(rank, err.__traceback__)
+{% endif %}
     frames = traceback.extract_tb(err.__traceback__)
     ours = [entry for entry in frames if in_this_file(entry)]
     where = f"{ours[-1].name}, line {ours[-1].lineno}" if ours else "a collective"
     reason = str(err).strip().splitlines()[0].split("] ")[-1].split(". ")[0]
-    print(
-        f"[rank {rank}] error: a collective failed in {where} ({reason}); if another "
-        "rank ended, the launcher's line names it",
-        file=sys.stderr,
-        flush=True,
-    )
+    line = f"[rank {rank}] error: a collective failed in {where} ({reason}); if "
+    line += "another rank ended, the launcher's line names it"
+{% if multi and not spawn %}
+    if elastic:
+        line = f"[rank {rank}] elastic: lost a peer in {where} ({reason}); the "
+        line += "others go on without it, from the last checkpoint"
+{% endif %}
+    print(line, file=sys.stderr, flush=True)
 
 
 def quiet_torch_logs(logger, messages):
     """Drop torch's log lines that repeat what this script says in its own words."""
     for handler in logging.getLogger(logger).handlers:
-        handler.addFilter(lambda record: record.msg not in messages)
+        handler.addFilter(lambda log: not any(m in str(log.msg) for m in messages))
 
 
 def died(rank, signal_name):

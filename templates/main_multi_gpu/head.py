@@ -61,7 +61,16 @@ from torch.distributed.checkpoint.state_dict import (
 {% if not spawn %}
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+{% if multi %}
+from torch.distributed.elastic.rendezvous import (
+    RendezvousError,
+    rendezvous_handler_registry,
+)
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+{% else %}
 from torch.distributed.elastic.rendezvous import RendezvousError
+{% endif %}
 {% endif %}
 {% if fsdp %}
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

@@ -193,10 +193,8 @@ def mib(tensors):
 
 
 {% endif %}
-def seconds(begin, end):
-    if isinstance(begin, float):
-        return end - begin
-    return begin.elapsed_time(end) / 1000  # call after torch.cuda.synchronize()
+def seconds(begin, end):  # two marks: on GPU, after torch.cuda.synchronize()
+    return end - begin if isinstance(begin, float) else begin.elapsed_time(end) / 1e3
 
 
 def start_metrics(out_dir, done):

@@ -94,13 +94,20 @@ def setup_distributed(backend, timeout):
         # after twice the timeout and COLLECTIVE_GRACE, so the hang watch (the timeout
         # without progress) speaks first: NCCL's watchdog counts from when a collective
         # was queued, which can be steps before this rank stopped making progress.
+{% if spawn %}
         store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
-{% if not spawn and multi %}
+{% elif multi %}
+        if "ELASTIC_ROUND" in os.environ:  # NNODES=MIN:MAX: see elastic_rendezvous()
+            store = elastic_store(timeout)
+            rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        else:
+            store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
         if os.environ.get("GROUP_WORLD_SIZE") == "1":  # one torchrun, one count
             # torchrun's own store outlives a restart: keys of this attempt only.
             attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
             store = dist.PrefixStore(f"attempt {attempt}", store)
-{% elif not spawn %}
+{% else %}
+        store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
         # torchrun's own store outlives a restart: keys of this attempt only.
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         store = dist.PrefixStore(f"attempt {attempt}", store)
@@ -118,6 +125,20 @@ def setup_distributed(backend, timeout):
     return device, store
 
 
+{% if not spawn and multi %}
+def elastic_store(timeout):
+    """This round's keys in the elastic rendezvous's own store: on the machine that
+    holds MASTER_ADDR, or in the file RDZV_FILE names."""
+    kind, where = os.environ["ELASTIC_STORE"].split(" ", 1)
+    if kind == "file":
+        store = dist.FileStore(where)
+    else:
+        host, port = where.rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+    return dist.PrefixStore(os.environ["ELASTIC_ROUND"], store)
+
+
+{% endif %}
 def choose_kernels(device, deterministic):
     """On GPUs, cuDNN's fastest algorithm for each shape, and TF32 for float32; with
     --deterministic neither, and deterministic algorithms only: runs repeat exactly."""
@@ -212,9 +233,8 @@ def save_final(weights, out_dir, tensorboard):
 
 
 def finished(t, at):
-    if t.args.max_steps:
-        return at.step >= t.args.max_steps
-    return at.epoch >= t.args.epochs
+    args = t.args
+    return at.step >= args.max_steps if args.max_steps else at.epoch >= args.epochs
 
 
 def train_pass(t, at, reports):

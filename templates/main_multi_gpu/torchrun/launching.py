@@ -22,6 +22,10 @@ TORCHRUN_CHATTER = {
     "Received %s death signal, shutting down workers",
     "Sending process %s closing signal %s",
     "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s",
+{% if multi %}
+    "has failed to shutdown the rendezvous",  # elastic: its host is gone
+    "has failed to send a keep-alive heartbeat",
+{% endif %}
 }
 
 
@@ -57,6 +61,10 @@ def launch(options, timeout, backend):
     command = [*shlex.split(options), "--signals-to-handle=SIGHUP,SIGQUIT"]
     command.append(f"--shutdown-timeout={math.ceil(timeout)}")
     parsed = get_args_parser().parse_args([*command, __file__])
+{% if multi %}
+    if parsed.rdzv_backend == "elastic":  # NNODES=MIN:MAX in run_multi.sh
+        rendezvous_handler_registry.register("elastic", elastic_rendezvous)
+{% endif %}
     nproc = parsed.nproc_per_node
     problem = cuda_problem(backend, int(nproc) if nproc.isdigit() else 1)
     if problem:
@@ -66,6 +74,14 @@ def launch(options, timeout, backend):
     except SignalException:
         return 128 + stops[0]
     except (RendezvousError, dist.DistError) as err:
+{% if multi %}
+        if "ELASTIC_ROUND" in os.environ:  # it had formed: its host is gone
+            raise failure(
+                f"error: lost the rendezvous at {endpoint(parsed)}, with the machine "
+                "that hosts it (MASTER_ADDR): the others cannot go on without it; "
+                "RDZV_FILE on a disk every machine shares lets any machine go"
+            ) from None
+{% endif %}
         print(rendezvous_failed(err, endpoint(parsed)), file=sys.stderr, flush=True)
         return 1
     except ChildFailedError as error:
@@ -77,6 +93,32 @@ def launch(options, timeout, backend):
     return 0
 
 
+{% if multi %}
+def elastic_rendezvous(params):
+    """torchrun's c10d rendezvous, as run_multi.sh names it for NNODES=MIN:MAX: its
+    workers keep their keys in its own store (which stays as machines come and go),
+    under a name new each round (its rank 0 picks it), so that no round reads the
+    keys of one before it. torchrun's store for workers goes unused: it would keep
+    old keys under the same names (pytorch#135712), and its address after the machine
+    that held it left; a machine that joins would wait for it forever."""
+    backend, store = create_backend(params)
+    handler = create_handler(store, backend, params)
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # and so it is not made
+    join = handler.next_rendezvous
+    os.environ["ELASTIC_STORE"] = f"{params.get('store_type', 'tcp')} {params.endpoint}"
+
+    def next_rendezvous():
+        info = join()
+        if info.rank == 0:
+            info.store.set("workers", os.urandom(8).hex())
+        os.environ["ELASTIC_ROUND"] = info.store.get("workers").decode()
+        return info
+
+    handler.next_rendezvous, handler.get_backend = next_rendezvous, lambda: "elastic"
+    return handler
+
+
+{% endif %}
 def endpoint(options):
     """host:port of the rendezvous that torchrun's (parsed) options name."""
     if options.standalone:  # torchrun picks a free local port

@@ -1,0 +1,286 @@
+"""Elastic membership for real: run_multi.sh with NNODES=2:3 on three network
+namespaces joined by a bridge, as three hosts, one process each. A host lost mid-run
+(every process on it killed), a host that joins mid-run, and the host of the
+rendezvous lost (with RDZV_FILE, the way out): each run ends with the weights of a
+straight run on three processes, which never lost anything. Models without BatchNorm,
+whose statistics would depend on the split."""
+
+import contextlib
+import itertools
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+
+from conftest import (
+    act_after_step,
+    bake,
+    free_port,
+    load_weights,
+    max_difference,
+    run_warm,
+    without_batchnorm,
+)
+
+pytestmark = pytest.mark.xdist_group("elastic_hosts")  # one project, one reference
+SUBNET = "10.232.0"
+_names = itertools.count()
+if os.geteuid() != 0:
+    WHY_NOT = "needs root to create network namespaces (CI runs as root)"
+elif shutil.which("ip") is None:
+    WHY_NOT = "needs `ip` to create network namespaces: apt-get install iproute2"
+else:
+    WHY_NOT = ""
+needs_netns = pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT)
+
+# 96 samples: 3 processes x batch 8 take 4 updates a pass, as 2 x 6 x grad-accum 2.
+ARGS = ["--epochs", "4", "--batch-size", "8", "--train-size", "96", "--val-size", "37"]
+ARGS += ["--num-workers", "0", "--lr", "0.02", "--save-every", "2"]
+ARGS += ["--dist-timeout", "30"]
+KEPT = (
+    "resume: global batch 24 kept: 2 processes x batch 6 x grad-accum 2 (the "
+    "checkpoint had 3 processes x batch 8 x grad-accum 1)"
+)
+BATCH_12 = ("--batch-size", "12")  # 2 x 12 = 24 = 3 x 8
+
+
+def ip(*args):
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+@contextlib.contextmanager
+def hosts(count):
+    """`count` network namespaces, each with `lo` up and one end of a veth pair whose
+    other end is on a bridge (in a namespace of its own): yields [(namespace,
+    address)]. Afterwards every process inside them is killed and they are deleted."""
+    tag = f"el{os.getpid()}x{next(_names)}"
+    switch = f"{tag}sw"
+    made = [switch]
+    try:
+        ip("netns", "add", switch)
+        ip("-n", switch, "link", "add", "br0", "type", "bridge")
+        ip("-n", switch, "link", "set", "br0", "up")
+        found = []
+        for i in range(count):
+            namespace, address = f"{tag}h{i}", f"{SUBNET}.{i + 1}"
+            ip("netns", "add", namespace)
+            made.append(namespace)
+            peer = ["type", "veth", "peer", "name", f"p{i}", "netns", switch]
+            ip("link", "add", "eth0", "netns", namespace, *peer)
+            ip("-n", switch, "link", "set", f"p{i}", "master", "br0", "up")
+            ip("-n", namespace, "addr", "add", f"{address}/24", "dev", "eth0")
+            ip("-n", namespace, "link", "set", "lo", "up")
+            ip("-n", namespace, "link", "set", "eth0", "up")
+            found.append((namespace, address))
+        yield found
+    finally:
+        for namespace in made:
+            lose(namespace)
+            subprocess.run(["ip", "netns", "delete", namespace], capture_output=True)
+
+
+def lose(namespace):
+    """Kill every process of a host at once, as a machine that dies."""
+    pids = subprocess.run(
+        ["ip", "netns", "pids", namespace], capture_output=True, text=True
+    ).stdout.split()
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), signal.SIGKILL)
+
+
+class Job:
+    """run_multi.sh on some hosts, elastic, each with its own log."""
+
+    def __init__(self, project, out, hosts, env=None):
+        self.project, self.out, self.hosts = project, out, hosts
+        self.port, self.env = str(free_port()), env or {}
+        self.running = {}
+
+    def start(self, index, *args, **env):
+        namespace, _ = self.hosts[index]
+        log = (self.out.parent / f"host{index}.log").open("w")
+        environment = {**os.environ, "NNODES": "2:3", "NPROC_PER_NODE": "1"}
+        environment |= {"MASTER_ADDR": self.hosts[0][1], "MASTER_PORT": self.port}
+        environment |= {**self.env, **env}
+        command = ["ip", "netns", "exec", namespace, "./run_multi.sh", *ARGS, *args]
+        command += ["--output-dir", str(self.out)]
+        self.running[index] = subprocess.Popen(
+            command,
+            cwd=self.project,
+            env=environment,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+        )
+
+    def wait(self, index, timeout=90):
+        try:
+            return self.running[index].wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def log(self, index):
+        return (self.out.parent / f"host{index}.log").read_text()
+
+    def logs(self):
+        return "\n".join(f"--- host {i}\n{self.log(i)}" for i in self.running)
+
+
+def wait_for(path, job, timeout=60):
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, (
+            f"no {path.name} after {timeout} s\n{job.logs()}"
+        )
+        time.sleep(0.1)
+    return time.monotonic()
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    made = bake(tmp_path_factory.mktemp("elastic_hosts"), nodes="multi")
+    without_batchnorm(made)
+    act_after_step(made)
+    return made
+
+
+@pytest.fixture(scope="module")
+def straight(project, tmp_path_factory):
+    """The final weights of runs that lost nothing, by number of processes."""
+    root = tmp_path_factory.mktemp("straight")
+    cache = {}
+
+    def weights(nproc, *args):
+        if (nproc, args) not in cache:
+            out = root / f"run{len(cache)}"
+            run_warm(project, out, nproc, *ARGS, *args)
+            cache[nproc, args] = load_weights(out / "model_final.pt")
+        return cache[nproc, args]
+
+    return weights
+
+
+def assert_same_end(out, expected):
+    assert max_difference(load_weights(out / "model_final.pt"), expected) < 1e-5
+
+
+def seconds_to_train_again(job, since, timeout=60):
+    """From `since` (a loss, a join) to the line that says the job resumed."""
+    deadline = since + timeout
+    while "resumed from" not in job.logs():
+        assert time.monotonic() < deadline, job.logs()
+        time.sleep(0.1)
+    return time.monotonic() - since
+
+
+def lose_host_mid_run(job, three, lost_host, marker):
+    """Start the three hosts; when the rank on `lost_host` (its rank too) has done
+    update 5 (the last save: update 4), kill every process there. Returns when."""
+    action = f"open({str(marker)!r}, 'w').close(); time.sleep(60)"
+    for index in range(3):
+        job.start(index, TEST_ACT_AT=f"{lost_host}:1:0", TEST_ACTION=action)
+    wait_for(marker, job)
+    lose(three[lost_host][0])
+    return time.monotonic()
+
+
+@needs_netns
+def test_a_lost_host_leaves_the_others_training_to_the_same_end(
+    project, straight, tmp_path
+):
+    """Host 2 dies after update 5; hosts 0 and 1 say so in one line each, go on by
+    themselves from update 4 with the global batch of 24 (2 x 6 x 2), and end as the
+    straight run on three processes."""
+    out = tmp_path / "out"
+    with hosts(3) as three:
+        job = Job(project, out, three)
+        lost = lose_host_mid_run(job, three, 2, tmp_path / "lost")
+        took = seconds_to_train_again(job, lost)
+        codes = [job.wait(0), job.wait(1)]
+        output = job.logs()
+    assert codes == [0, 0], output
+    assert_same_end(out, straight(3))
+    assert output.count(KEPT) == 1, output
+    assert "resumed from" in output and "after epoch 1" in output, output
+    for rank in (0, 1):
+        line = f"[rank {rank}] elastic: lost a peer in train_pass, line "
+        assert output.count(line) == 1, output
+        assert f"Connection closed by peer [{three[2][1]}]" in output
+    assert "Traceback" not in output and "[rank 0] thread" not in output
+    print(f"lost host 2: training again after {took:.1f} s")
+    assert took < 30
+
+
+@needs_netns
+def test_a_host_that_joins_mid_run_grows_the_job_to_the_same_end(
+    project, straight, tmp_path
+):
+    """Hosts 0 and 1 start (2 x batch 12); host 2 joins after update 3: the two save
+    (torchrun stops them with SIGTERM), and all three go on from there with the
+    global batch of 24 (3 x 8 x 1), to the end of the straight run on two."""
+    out = tmp_path / "out"
+    joined = tmp_path / "joined"
+    with hosts(3) as three:
+        job = Job(project, out, three)
+        # rank 0, after update 3: waits (in Python) for torchrun's SIGTERM.
+        action = f"open({str(joined)!r}, 'w').close()\n"
+        action += "while STOP_SIGNAL is None:\n    time.sleep(0.1)"
+        for index in (0, 1):
+            job.start(index, *BATCH_12, TEST_ACT_AT="0:0:2", TEST_ACTION=action)
+        wait_for(joined, job)
+        job.start(2, *BATCH_12)
+        since = time.monotonic()
+        took = seconds_to_train_again(job, since)
+        codes = [job.wait(index) for index in range(3)]
+        output = job.logs()
+    assert codes == [0, 0, 0], output
+    assert_same_end(out, straight(2, *BATCH_12))
+    grown = (
+        "resume: global batch 24 kept: 3 processes x batch 8 x grad-accum 1 (the "
+        "checkpoint had 2 processes x batch 12 x grad-accum 1)"
+    )
+    assert output.count(grown) == 1, output
+    assert "preempted: saved" in output, output
+    assert "Traceback" not in output
+    print(f"host 2 joined: training again after {took:.1f} s")
+
+
+@needs_netns
+def test_the_rendezvous_host_lost_ends_the_job_in_one_line(project, tmp_path):
+    """Without RDZV_FILE the rendezvous lives on host 0 (MASTER_ADDR): lost, the
+    others cannot go on, and say why and what to use instead."""
+    out = tmp_path / "out"
+    with hosts(3) as three:
+        job = Job(project, out, three)
+        lose_host_mid_run(job, three, 0, tmp_path / "lost")
+        codes = [job.wait(1), job.wait(2)]
+        output = job.logs()
+    assert codes == [1, 1], output
+    line = (
+        f"error: lost the rendezvous at {three[0][1]}:{job.port}, with the machine that "
+        "hosts it (MASTER_ADDR): the others cannot go on without it; RDZV_FILE on a "
+        "disk every machine shares lets any machine go"
+    )
+    assert output.count(line) == 2, output
+    assert "Traceback" not in output and "has failed to" not in output
+
+
+@needs_netns
+def test_with_rdzv_file_the_rendezvous_host_may_go(project, straight, tmp_path):
+    """With RDZV_FILE on a disk all hosts share, host 0 (MASTER_ADDR, rank 0) lost
+    after update 5 leaves hosts 1 and 2 to the end of the straight run."""
+    out = tmp_path / "out"
+    with hosts(3) as three:
+        job = Job(project, out, three, env={"RDZV_FILE": str(tmp_path / "rdzv")})
+        lost = lose_host_mid_run(job, three, 0, tmp_path / "lost")
+        took = seconds_to_train_again(job, lost)
+        codes = [job.wait(1), job.wait(2)]
+        output = job.logs()
+    assert codes == [0, 0], output
+    assert_same_end(out, straight(3))
+    assert output.count(KEPT) == 1, output
+    print(f"lost host 0 (RDZV_FILE): training again after {took:.1f} s")
