@@ -143,6 +143,7 @@ def test_the_generated_readme_opens_with_the_commands_used_most(tmp_path, answer
     commands = ["./run_single.sh  ", "--evaluate outputs/model_final.pt", "--help"]
     if answers.get("nodes") == "multi":
         commands.append("NODE_RANK=0 MASTER_ADDR=10.0.0.1 ./run_multi.sh")
+        commands.append("NNODES=2:4 MASTER_ADDR=10.0.0.1 ./run_multi.sh")  # elastic
     if answers.get("scheduler") == "slurm":
         commands.append("sbatch run_slurm.sbatch")
     resume = "trains afresh" if answers else "resumes from outputs/checkpoint_last.pt"

@@ -161,8 +161,8 @@ else
     torchrun+=" --rdzv-endpoint=${MASTER_ADDR}:${MASTER_PORT}"
     torchrun+=" --rdzv-conf=${conf}${host:+,is_host=${host}}"
   fi
-  echo "rendezvous: elastic, ${elastic} machines of ${NPROC_PER_NODE} processes," \
-    "at ${where}, up to ${MAX_RESTARTS} restarts"
+  echo "rendezvous: elastic, ${elastic/:/ to } machines, ${NPROC_PER_NODE} processes" \
+    "per machine, at ${where}, up to ${MAX_RESTARTS} restarts"
   torchrun+=" --nnodes=${elastic} --rdzv-backend=elastic"
 fi
 exec python3 "$(dirname "$0")/main_multi_gpu.py" --torchrun="${torchrun}" "$@"
