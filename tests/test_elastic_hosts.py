@@ -226,7 +226,7 @@ def test_a_lost_host_leaves_the_others_training_to_the_same_end(
         assert "hang: no progress for 10 s (--dist-timeout)" in output, output
         assert "  rank 2: no answer (its Python is blocked)" in output, output
     print(f"host 2 {how}: training again after {took:.1f} s")
-    assert took < (30 if how == "killed" else 45)
+    assert took < (30 if how == "killed" else 60)  # cut: the hang watch, 10 s, first
 
 
 @needs_netns

@@ -150,8 +150,7 @@ def settle_global_batch(args, checkpoint, world_size):
     """Set args.grad_accum. A resumed run keeps the checkpoint's global batch (processes
     x batch x grad-accum), whatever its number of processes: then every update trains
     on the same samples as before, in the same order. It derives the grad-accum that
-    does so (on another number of processes, the batch too: at most --batch-size, in
-    the fewest micro-batches), or refuses in one line unless --allow-batch-change."""
+    does so, or refuses in one line unless --allow-batch-change."""
     if checkpoint is None:
         args.grad_accum = args.grad_accum or 1
         return
@@ -159,11 +158,16 @@ def settle_global_batch(args, checkpoint, world_size):
     target, per_update = math.prod(old), world_size * args.batch_size
     if args.grad_accum is None:
         args.grad_accum = max(1, target // per_update)
-        for accum in range(1, target + 1) if world_size != old[0] else ():
+{% if multi and not spawn %}
+        # Elastic (NNODES=MIN:MAX), after machines left or joined: the batch too, at
+        # most --batch-size, in the fewest micro-batches.
+        elastic = "ELASTIC_ROUND" in os.environ and world_size != old[0]
+        for accum in range(1, target + 1) if elastic else ():
             batch, rest = divmod(target, world_size * accum)
             if not rest and batch <= args.batch_size:
                 args.batch_size, args.grad_accum = batch, accum
                 break
+{% endif %}
     new = [world_size, args.batch_size, args.grad_accum]
     if math.prod(new) != target and not args.allow_batch_change:
         if target % world_size:
