@@ -40,10 +40,16 @@ os.environ["PYTHONPATH"] = os.pathsep.join([NO_MATPLOTLIB, *PATHS])
 # Files of many short cases (about ten seconds each), run after the rest: the few tests of tens
 # of seconds then start early, and two workers run out of work at about the same time.
 MANY_SHORT = ("test_run.py", "test_generation.py", "test_hooks.py", "test_docs.py")
+# Files whose tests run on one worker, one after another, for minutes (xdist_group):
+# first, so that none is left running alone at the end.
+LONG_GROUPS = ("test_slurm.py", "test_elastic_hosts.py", "test_faults.py")
 
 
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: item.path.name in MANY_SHORT)  # stable: order kept
+    def order(item):  # sort is stable: the order within each kind is kept
+        return item.path.name in MANY_SHORT, item.path.name not in LONG_GROUPS
+
+    items.sort(key=order)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU for NCCL (none on this machine)")
