@@ -5,6 +5,7 @@ import importlib.util
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -67,6 +68,31 @@ def bake(output_dir, **context):
         str(TEMPLATE), no_input=True, output_dir=str(output_dir), extra_context=context
     )
     return Path(project)
+
+
+# Network namespaces, as hosts of their own (test_multinode.py, test_elastic_hosts.py).
+if os.geteuid() != 0:
+    WHY_NO_NETNS = "needs root to create network namespaces (CI runs as root)"
+elif shutil.which("ip") is None:
+    WHY_NO_NETNS = "needs `ip` to create network namespaces: apt-get install iproute2"
+else:
+    WHY_NO_NETNS = ""
+needs_netns = pytest.mark.skipif(bool(WHY_NO_NETNS), reason=WHY_NO_NETNS)
+
+
+def ip(*args):
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+def kill_namespace(namespace):
+    """Kill every process in a network namespace at once, as a machine that dies
+    (torchrun's workers run in sessions of their own: a process group would miss them)."""
+    pids = subprocess.run(
+        ["ip", "netns", "pids", namespace], capture_output=True, text=True
+    ).stdout.split()
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), signal.SIGKILL)
 
 
 def free_port():

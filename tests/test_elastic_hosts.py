@@ -8,8 +8,6 @@ whose statistics would depend on the split."""
 import contextlib
 import itertools
 import os
-import shutil
-import signal
 import subprocess
 import time
 
@@ -19,8 +17,11 @@ from conftest import (
     act_after_step,
     bake,
     free_port,
+    ip,
+    kill_namespace,
     load_weights,
     max_difference,
+    needs_netns,
     run_warm,
     without_batchnorm,
 )
@@ -28,13 +29,6 @@ from conftest import (
 pytestmark = pytest.mark.xdist_group("elastic_hosts")  # one project, one reference
 SUBNET = "10.232.0"
 _names = itertools.count()
-if os.geteuid() != 0:
-    WHY_NOT = "needs root to create network namespaces (CI runs as root)"
-elif shutil.which("ip") is None:
-    WHY_NOT = "needs `ip` to create network namespaces: apt-get install iproute2"
-else:
-    WHY_NOT = ""
-needs_netns = pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT)
 
 # 96 samples: 3 processes x batch 8 take 4 updates a pass, as 2 x 6 x grad-accum 2.
 ARGS = ["--epochs", "4", "--batch-size", "8", "--train-size", "96", "--val-size", "37"]
@@ -45,10 +39,6 @@ KEPT = (
     "checkpoint had 3 processes x batch 8 x grad-accum 1)"
 )
 BATCH_12 = ("--batch-size", "12")  # 2 x 12 = 24 = 3 x 8
-
-
-def ip(*args):
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
 
 
 @contextlib.contextmanager
@@ -78,18 +68,8 @@ def hosts(count):
         yield found
     finally:
         for namespace in made:
-            lose(namespace)
+            kill_namespace(namespace)
             subprocess.run(["ip", "netns", "delete", namespace], capture_output=True)
-
-
-def lose(namespace):
-    """Kill every process of a host at once, as a machine that dies."""
-    pids = subprocess.run(
-        ["ip", "netns", "pids", namespace], capture_output=True, text=True
-    ).stdout.split()
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(int(pid), signal.SIGKILL)
 
 
 class Job:
@@ -187,10 +167,21 @@ def lose_host_mid_run(job, three, lost_host, marker, how="killed", *args):
     wait_for(marker, job)
     namespace = three[lost_host][0]
     if how == "killed":
-        lose(namespace)
+        kill_namespace(namespace)
     else:
         ip("-n", namespace, "link", "set", "eth0", "down")
     return time.monotonic()
+
+
+def survivors_go_on(job, three, lost_host, marker, how="killed", *args):
+    """Lose `lost_host` mid-run (lose_host_mid_run), then wait for the other two to
+    train again and to finish: (seconds to training again, their exit statuses, all
+    the hosts' output)."""
+    took = seconds_to_train_again(
+        job, lose_host_mid_run(job, three, lost_host, marker, how, *args)
+    )
+    codes = [job.wait(index) for index in range(3) if index != lost_host]
+    return took, codes, job.logs()
 
 
 @needs_netns
@@ -207,10 +198,9 @@ def test_a_lost_host_leaves_the_others_training_to_the_same_end(
     timeout = ("--dist-timeout", "10") if how == "cut" else ()
     with hosts(3) as three:
         job = Job(project, out, three)
-        lost = lose_host_mid_run(job, three, 2, tmp_path / "lost", how, *timeout)
-        took = seconds_to_train_again(job, lost)
-        codes = [job.wait(0), job.wait(1)]
-        output = job.logs()
+        took, codes, output = survivors_go_on(
+            job, three, 2, tmp_path / "lost", how, *timeout
+        )
     assert codes == [0, 0], output
     assert_same_end(out, straight(3))
     assert output.count(KEPT) == 1, output
@@ -290,10 +280,7 @@ def test_with_rdzv_file_the_rendezvous_host_may_go(project, straight, tmp_path):
     out = tmp_path / "out"
     with hosts(3) as three:
         job = Job(project, out, three, env={"RDZV_FILE": str(tmp_path / "rdzv")})
-        lost = lose_host_mid_run(job, three, 0, tmp_path / "lost")
-        took = seconds_to_train_again(job, lost)
-        codes = [job.wait(1), job.wait(2)]
-        output = job.logs()
+        took, codes, output = survivors_go_on(job, three, 0, tmp_path / "lost")
     assert codes == [0, 0], output
     assert_same_end(out, straight(3))
     assert output.count(KEPT) == 1, output

@@ -10,7 +10,6 @@ import itertools
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import time
@@ -22,6 +21,9 @@ from conftest import (
     TINY,
     bake,
     free_port,
+    ip,
+    kill_namespace,
+    needs_netns,
     run_job,
     run_jobs,
 )
@@ -33,19 +35,6 @@ pytestmark = pytest.mark.xdist_group("multinode")
 SUBNET = "10.231.0"
 NOBODY = f"{SUBNET}.99"  # on the subnet, but no host has it
 _names = itertools.count()
-
-
-if os.geteuid() != 0:
-    WHY_NOT = "needs root to create network namespaces (CI runs as root)"
-elif shutil.which("ip") is None:
-    WHY_NOT = "needs `ip` to create network namespaces: apt-get install iproute2"
-else:
-    WHY_NOT = ""
-needs_netns = pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT)
-
-
-def ip(*args):
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
 
 
 @contextlib.contextmanager
@@ -70,12 +59,7 @@ def two_hosts():
         yield hosts
     finally:
         for namespace, _, _ in hosts:
-            pids = subprocess.run(
-                ["ip", "netns", "pids", namespace], capture_output=True, text=True
-            ).stdout.split()
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(int(pid), signal.SIGKILL)
+            kill_namespace(namespace)
             subprocess.run(["ip", "netns", "delete", namespace], capture_output=True)
 
 
