@@ -26,7 +26,7 @@ from conftest import (
     max_difference,
     nan_loss_on_rank_1,
     replace_user_functions,
-    run_job,
+    run_warm,
     started,
 )
 
@@ -63,7 +63,8 @@ def single(out_dir, args, **env):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """Final weights of uninterrupted runs, by arguments (the same for both
-    launchers and every save strategy)."""
+    launchers and every save strategy), started warm: the faults are what each test
+    launches as a user does."""
     root = tmp_path_factory.mktemp("reference")
     project = bake(root, save_strategy="final_only")
     cache = {}
@@ -72,9 +73,7 @@ def reference(tmp_path_factory):
         key = tuple(args)
         if key not in cache:
             out_dir = root / f"run{len(cache)}"
-            command, env = single(out_dir, args)
-            code, output = run_job(command, project, env)
-            assert code == 0, output
+            run_warm(project, out_dir, 2, *args)
             cache[key] = load_weights(out_dir / "model_final.pt")
         return cache[key]
 
@@ -147,9 +146,7 @@ def test_a_kill_while_saving_keeps_the_previous_checkpoint(tmp_path, reference):
     assert load_weights(out_dir / "checkpoint_last.pt")["epoch"] == 1
 
     edit(project, 'obj["epoch"] == 2', "False")
-    command, env = single(out_dir, SHORT)
-    code, output = run_job(command, project, env)
-    assert code == 0, output
+    output = run_warm(project, out_dir, 2, *SHORT)
     assert "after epoch 1" in output
     final = load_weights(out_dir / "model_final.pt")
     assert max_difference(final, reference(SHORT)) < 1e-5
@@ -199,11 +196,9 @@ def test_sigterm_saves_then_resume_ends_the_same(
 
 
 def resume_ends_as_never_stopped(project, out_dir, reference, where):
-    """The LONG run's command again: it resumes from checkpoint_last.pt `where` ("in
+    """The LONG run again (warm): it resumes from checkpoint_last.pt `where` ("in
     epoch 2 after 8 batches") and ends with the weights of a run never stopped."""
-    command, env = single(out_dir, LONG)
-    code, output = run_job(command, project, env)
-    assert code == 0, output
+    output = run_warm(project, out_dir, 2, *LONG)
     assert f"resumed from {out_dir / 'checkpoint_last.pt'} {where}" in output
     final = load_weights(out_dir / "model_final.pt")
     assert max_difference(final, reference(LONG)) < 1e-5

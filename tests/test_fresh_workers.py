@@ -4,7 +4,14 @@ gh-112275); a dataset they cannot receive is refused in one line."""
 
 import pytest
 
-from conftest import TINY, bake, error_lines, replace_user_functions, run_single
+from conftest import (
+    TINY,
+    bake,
+    error_lines,
+    replace_user_functions,
+    run_single,
+    run_warm,
+)
 
 # Random images and labels in train_size + val_size samples, split in two (train and
 # val), for a build_datasets() that wraps them in a dataset of its test.
@@ -77,7 +84,7 @@ def test_a_dataset_workers_cannot_receive_is_one_line(tmp_path):
     assert line.endswith("or --num-workers 0"), line
     assert "Traceback" not in output
     # With --num-workers 0 nothing is pickled, and the same data trains.
-    run_single(project, tmp_path / "zero", 2, *TINY)
+    run_warm(project, tmp_path / "zero", 2, *TINY)
 
 
 # Each DataLoader worker, as it starts, sends SIGTERM to every process of its rank, as
@@ -120,7 +127,7 @@ SIGNALLED_AS_IT_STARTS += SPLIT_DATA + "    return SignalOnArrival(train), val\n
 @pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
 def test_a_sigterm_to_the_job_as_workers_start_saves_and_stops(tmp_path, launcher):
     """SIGTERM and Ctrl-C reach every process of a job, a DataLoader worker still
-    starting too: it ignores them from birth (as its fork server), so the run saves
+    starting too: it holds them from birth (as its fork server), so the run saves
     and stops as after any SIGTERM (before: the worker died, and the run ended in a
     traceback, "DataLoader worker ... exited unexpectedly", saving nothing)."""
     project = bake(tmp_path, launcher=launcher, save_strategy="last")

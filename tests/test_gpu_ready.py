@@ -16,6 +16,7 @@ from conftest import (
     max_difference,
     replace_user_functions,
     run_single,
+    run_warm,
 )
 
 
@@ -124,8 +125,8 @@ def test_deterministic_turns_on_deterministic_algorithms(tmp_path):
     project = bake(tmp_path)
     replace_user_functions(project, DETERMINISM)
     on = {"WANT_DETERMINISTIC": "1"}
-    run_single(project, tmp_path / "on", 2, *TINY, "--deterministic", env=on)
-    run_single(project, tmp_path / "off", 2, *TINY)
+    run_warm(project, tmp_path / "on", 2, *TINY, "--deterministic", env=on)
+    run_warm(project, tmp_path / "off", 2, *TINY)
     # The same run either way on the CPU, where nothing else changes.
     a = load_weights(tmp_path / "on" / "model_final.pt")
     assert max_difference(a, load_weights(tmp_path / "off" / "model_final.pt")) == 0

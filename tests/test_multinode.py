@@ -24,8 +24,8 @@ from conftest import (
     ip,
     kill_namespace,
     needs_netns,
-    run_job,
     run_jobs,
+    run_warm,
 )
 
 LAUNCHERS = ["torchrun", "spawn"]
@@ -91,9 +91,7 @@ def one_machine(tmp_path_factory):
     processes (the launcher only starts processes: the same for both)."""
     root = tmp_path_factory.mktemp("one_machine")
     project = bake(root, nodes="multi")
-    command = ["./run_single.sh", *TINY, "--backend", "gloo", "--output-dir", "out"]
-    code, output = run_job(command, project, {"NPROC_PER_NODE": "2"})
-    assert code == 0, output
+    run_warm(project, project / "out", 2, *TINY, "--backend", "gloo")
     return torch.load(project / "out" / "model_final.pt", weights_only=True)
 
 

@@ -18,6 +18,7 @@ from conftest import (
     load_weights,
     nan_loss_on_rank_1,
     replace_user_functions,
+    run_warm,
 )
 from test_faults import watch
 
@@ -71,8 +72,7 @@ def test_a_huge_learning_rate_or_a_full_disk_keeps_the_last_good_checkpoint(tmp_
     it says nothing more than the workers)."""
     project = bake(tmp_path, launcher="spawn", save_strategy="last")
     out = tmp_path / "out"
-    code, output, _, _ = single(project, out, [*LONG[:1], "1", *LONG[2:]])
-    assert code == 0, output
+    run_warm(project, out, 2, *LONG[:1], "1", *LONG[2:])
     good = {
         name: (out / name).read_bytes()
         for name in ("checkpoint_last.pt", "model_final.pt", "metrics.csv")
@@ -225,8 +225,7 @@ def test_a_learning_rate_of_zero_is_a_probe_that_moves_nothing(tmp_path):
     weight where build_model() put it; only BatchNorm's running statistics move."""
     project = bake(tmp_path, save_strategy="final_only")
     out = tmp_path / "out"
-    code, output, _, _ = single(project, out, [*LONG[:1], "1", *LONG[2:], "--lr", "0"])
-    assert code == 0, output
+    run_warm(project, out, 2, *LONG[:1], "1", *LONG[2:], "--lr", "0")
     module = load_module(project)
     torch.manual_seed(0)  # as the script seeds before build_model()
     model = module.build_model(module.parse_args([]))
@@ -267,8 +266,7 @@ def test_ctrl_c_saves_like_sigterm(tmp_path, launcher):
     assert (checkpoint["epoch"], checkpoint["epoch_samples"]) == (1, 8 * 2 * 8)
     if launcher == "spawn":
         # Resumed to its end, final_only keeps no checkpoint: a rerun starts afresh.
-        code, output, _, _ = single(project, out, LONG)
-        assert code == 0 and "resumed from" in output, output
+        assert "resumed from" in run_warm(project, out, 2, *LONG)
         assert not last.exists()
 
 

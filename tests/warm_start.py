@@ -32,6 +32,7 @@ import types
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun sets it
+PATHS = set(os.environ.get("PYTHONPATH", "").split(os.pathsep)) - {""}
 
 # What the generated scripts import that costs: once, here.
 import torch
@@ -69,6 +70,9 @@ def worker(job, rank, port):
         sys.argv = [job["script"], *job["args"]]
     else:
         sys.argv = [job["script"], f"--nproc-per-node={nproc}", *job["args"]]
+    # The job's PYTHONPATH may leave out some of this interpreter's: out of sys.path.
+    dropped = PATHS - set(os.environ.get("PYTHONPATH", "").split(os.pathsep))
+    sys.path[:] = [path for path in sys.path if path not in dropped]
     module = types.ModuleType("__main__" if torchrun else "__mp_main__")
     module.__file__ = job["script"]
     sys.modules["__main__"] = sys.modules[module.__name__] = module
