@@ -129,6 +129,7 @@ def compute_metrics(model, batch):
 # 37 items, 16 a global batch: 3 updates a pass (16, 16, 5); 12 updates: 4 passes.
 RUN = ["--lr", "0.05", "--max-steps", "12", "--save-every", "2"]
 SIGTERM = "os.killpg(os.getpgrp(), signal.SIGTERM)"
+NO_WORKERS = ("--num-workers", "0")  # where DataLoader workers are not the point
 
 
 def stream_project(tmp_path, name, source, **answers):
@@ -196,10 +197,11 @@ def test_every_item_of_a_pass_is_used_once_and_an_uneven_end_does_not_hang(tmp_p
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
-    """The final weights of the run that never stopped: 2 ranks x batch 8."""
+    """The final weights of the run that never stopped: 2 ranks x batch 8, without
+    DataLoader workers (the runs compared with it have some)."""
     root = tmp_path_factory.mktemp("straight")
     project = stream_project(root, "rows", ROWS, save_strategy="last")
-    run_warm(project, root / "out", 2, *RUN, "--batch-size", "8")
+    run_warm(project, root / "out", 2, *RUN, "--batch-size", "8", "--num-workers", "0")
     return final(root / "out")
 
 
@@ -238,13 +240,11 @@ def test_a_stream_without_state_reads_up_to_where_it_stopped(tmp_path, straight)
         tmp_path, "rows", ROWS, save_strategy="final_only", launcher="spawn"
     )
     out = tmp_path / "out"
-    two = [*RUN, "--batch-size", "8"]
-    # After the second update, when both DataLoader workers have served a batch: at
-    # the first, one may still be starting, and the SIGTERM to the group can end it
-    # before it ignores SIGTERM (a known window: README, "known rare failures").
-    env = {"TEST_ACTION": SIGTERM, "TEST_ACT_AT": "0:0:1"}
+    two = [*RUN, "--batch-size", "8"]  # 2 DataLoader workers a rank
+    # At the first update, as DataLoader workers may still be starting.
+    env = {"TEST_ACTION": SIGTERM, "TEST_ACT_AT": "0:0:0"}
     run_warm(project, out, 2, *two, env=env, expect=143)
-    output = run_warm(project, out, 1, *two, "--num-workers", "2")
+    output = run_warm(project, out, 1, *two)
     line = (
         "resume: the training stream has no state_dict(), so every reader reads its "
         "first 32 items again to get there"
@@ -347,11 +347,12 @@ def test_the_readme_stream_examples_train_and_resume(tmp_path):
     """The README's two streams, as written there: the endless generator trains with
     --max-steps (under FSDP2, whose evaluation pads the validation stream's shares);
     the shard files resume mid-pass on another number of processes from their state,
-    without reading the pass again, and end like a run never stopped."""
+    without reading the pass again, and end like a run never stopped (which had no
+    DataLoader workers; the stopped and resumed runs have 2 a process)."""
     project = bake(tmp_path / "synthetic", parallelism="fsdp2")
     replace_user_functions(project, readme_block(project, "class Synthetic("))
     out = tmp_path / "synthetic_out"
-    run_warm(project, out, 2, "--max-steps", "4", "--eval-every", "2")
+    run_warm(project, out, 2, "--max-steps", "4", "--eval-every", "2", *NO_WORKERS)
     assert [row["step"] for row in metrics(out)] == ["2", "4"]
 
     project = bake(tmp_path / "shards")
@@ -366,7 +367,7 @@ def test_the_readme_stream_examples_train_and_resume(tmp_path):
         (project / "data" / f"{name}.csv").write_text(text)
     # 39 lines, 16 a global batch: 3 updates a pass.
     args = ["--lr", "0.2", "--max-steps", "9", "--save-every", "1"]
-    run_warm(project, tmp_path / "straight", 2, *args, "--batch-size", "8")
+    run_warm(project, tmp_path / "straight", 2, *args, "--batch-size", "8", *NO_WORKERS)
     stop = {"TEST_ACTION": SIGTERM, "TEST_ACT_AT": "0:1:0"}
     out = tmp_path / "out"
     output = run_warm(project, out, 2, *args, "--batch-size", "8", env=stop, expect=143)

@@ -58,7 +58,7 @@ def descendants(pid):
 
 def start_fork_server():
     """Start the DataLoader workers' fork server (torch imported) and resource tracker
-    (quiet on what an os._exit left): both, and each worker, ignore SIGTERM, Ctrl-C."""
+    (quiet on what an os._exit left): both ignore SIGTERM, Ctrl-C; workers hold them."""
     multiprocessing.set_forkserver_preload(["__main__", "torch"])
     os.environ.setdefault("PYTHONWARNINGS", "ignore:resource_tracker:UserWarning")
     signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)  # meanwhile held for this process
@@ -70,7 +70,7 @@ def start_fork_server():
 
 
 def stop_children():
-    """End at once what this process started (DataLoader workers ignore SIGTERM, and
+    """End at once what this process started (DataLoader workers hold SIGTERM, and
     Python's exit would wait for them) but the resource tracker, which cleans up."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # else torch reports each end
