@@ -16,6 +16,7 @@ from conftest import (
     load_weights,
     max_difference,
     metrics,
+    run_jobs,
     run_warm,
     without_batchnorm,
 )
@@ -173,3 +174,26 @@ def test_three_processes_cannot_split_sixteen(projects, one_epoch_on_two, tmp_pa
     assert errors == [refusal], output
     assert "Traceback" not in output
     assert (out / "checkpoint_last.pt").read_bytes() == kept.read_bytes()
+
+
+def test_an_elastic_round_that_cannot_keep_the_global_batch_ends_the_job(tmp_path):
+    """run_multi.sh twice on this machine as two machines, NNODES=2:2 (elastic, with
+    RDZV_FILE: no host), one process each, resuming a checkpoint of 1 process x batch
+    5: no round of 2 can keep 5. Rank 0 says so once, and both end with exit 2 at
+    once, where torchrun would start the round again at each of the 10 restarts it
+    allows, to the same refusal."""
+    project = bake(tmp_path, nodes="multi", save_strategy="last")
+    out = tmp_path / "out"
+    run_warm(project, out, 1, "--epochs", "1", *SHORT[2:], "--batch-size", "5")
+    env = {"NNODES": "2:2", "NPROC_PER_NODE": "1", "RDZV_FILE": str(tmp_path / "rdzv")}
+    command = ["./run_multi.sh", *SHORT, "--batch-size", "5", "--output-dir", str(out)]
+    results = run_jobs([(command, env), (command, env)], project, timeout=90)
+    output = "\n".join(output for _, output in results)
+    assert [code for code, _ in results] == [2, 2], output
+    refusal = (
+        "error: the checkpoint's global batch is 5 (1 process x batch 5 x grad-accum "
+        "1); 2 processes x batch 5 x grad-accum 1 make 10: use a number of processes "
+        "that divides 5, or pass --allow-batch-change to go on with 10"
+    )
+    assert error_lines(output) == [refusal], output
+    assert "Traceback" not in output

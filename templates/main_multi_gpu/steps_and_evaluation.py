@@ -122,10 +122,12 @@ def stopped(last_path, at, batch_size):
     # The signal this rank got; a rank stopped by another's signal reports SIGTERM.
     signum = STOP_SIGNAL or signal.SIGTERM
     word = "interrupted" if signum == signal.SIGINT else "preempted"
-    print0(
-        f"{word}: saved {last_path} {where(at, batch_size)}; run again to resume "
-        "(--resume auto)"
-    )
+    again = "run again to resume (--resume auto)"
+{% if multi and not spawn %}
+    if word == "preempted" and "ELASTIC_ROUND" in os.environ:  # a round that changes
+        again = "the next elastic round resumes from it, or the same command again"
+{% endif %}
+    print0(f"{word}: saved {last_path} {where(at, batch_size)}; {again}")
     return 128 + signum
 
 

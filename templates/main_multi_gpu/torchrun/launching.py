@@ -100,14 +100,21 @@ def elastic_rendezvous(params):
     under a name new each round (its rank 0 picks it), so that no round reads the
     keys of one before it. torchrun's store for workers goes unused: it would keep
     old keys under the same names (pytorch#135712), and its address after the machine
-    that held it left; a machine that joins would wait for it forever."""
+    that held it left; a machine that joins would wait for it forever. A round its
+    workers refused (a global batch it cannot keep: rank 0 said so) ends the job
+    instead of restarting it: they leave a file, on every machine."""
     backend, store = create_backend(params)
     handler = create_handler(store, backend, params)
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # and so it is not made
     join = handler.next_rendezvous
     os.environ["ELASTIC_STORE"] = f"{params.get('store_type', 'tcp')} {params.endpoint}"
+    refused = Path(os.environ.get("TMPDIR", "/tmp"), f"elastic-refused-{os.getpid()}")
+    os.environ["ELASTIC_REFUSED"] = str(refused)
+    atexit.register(refused.unlink, missing_ok=True)
 
     def next_rendezvous():
+        if refused.exists():  # the last round's workers refused it: none can go on
+            raise SystemExit(2)
         info = join()
         if info.rank == 0:
             info.store.set("workers", os.urandom(8).hex())
