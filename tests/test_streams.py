@@ -201,7 +201,7 @@ def straight(tmp_path_factory):
     DataLoader workers (the runs compared with it have some)."""
     root = tmp_path_factory.mktemp("straight")
     project = stream_project(root, "rows", ROWS, save_strategy="last")
-    run_warm(project, root / "out", 2, *RUN, "--batch-size", "8", "--num-workers", "0")
+    run_warm(project, root / "out", 2, *RUN, "--batch-size", "8", *NO_WORKERS)
     return final(root / "out")
 
 

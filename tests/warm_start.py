@@ -36,7 +36,7 @@ PATHS = set(os.environ.get("PYTHONPATH", "").split(os.pathsep)) - {""}
 
 # What the generated scripts import that costs: once, here.
 import torch
-import torch._dynamo  # imported by the first DDP() (about 0.8 s a rank)
+import torch._dynamo  # imported by the first DDP() (about a second a rank)
 import torch.distributed as dist
 import torch.distributed.checkpoint
 import torch.distributed.fsdp

@@ -174,10 +174,6 @@ def settle_global_batch(args, checkpoint, world_size):
             hint = f"use a number of processes that divides {target}"
         else:
             hint = f"e.g. --batch-size {target // world_size} --grad-accum 1"
-{% if multi and not spawn %}
-        if "ELASTIC_REFUSED" in os.environ:  # no restart can help: elastic_rendezvous
-            Path(os.environ["ELASTIC_REFUSED"]).touch()
-{% endif %}
         raise failure(
             f"error: the checkpoint's global batch is {target} ({describe(old)}); "
             f"{describe(new)} make {math.prod(new)}: {hint}, or pass "

@@ -11,6 +11,10 @@ def failure(message, status=1):
     with `status` (2: an argument that cannot work)."""
     if os.environ.get("RANK", "0") == "0":
         print(message, file=sys.stderr, flush=True)
+{% if multi and not spawn %}
+    if status == 2 and "ELASTIC_REFUSED" in os.environ:  # no round can go on: the job
+        Path(os.environ["ELASTIC_REFUSED"]).touch()  # ends (see elastic_rendezvous)
+{% endif %}
     return SystemExit(status)
 
 

@@ -101,8 +101,9 @@ def elastic_rendezvous(params):
     keys of one before it. torchrun's store for workers goes unused: it would keep
     old keys under the same names (pytorch#135712), and its address after the machine
     that held it left; a machine that joins would wait for it forever. A round its
-    workers refused (a global batch it cannot keep: rank 0 said so) ends the job
-    instead of restarting it: they leave a file, on every machine."""
+    workers refused (exit 2: a global batch it cannot keep, a stream without
+    --max-steps; rank 0 said why) ends the job instead of restarting it: failure()
+    leaves a file, on every machine."""
     backend, store = create_backend(params)
     handler = create_handler(store, backend, params)
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # and so it is not made
