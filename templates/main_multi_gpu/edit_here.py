@@ -82,7 +82,7 @@ def compute_loss(model, batch):
 def compute_metrics(model, batch):
     """Return {name: (sum, n)} for one validation batch; each metric is summed over all
     batches and ranks and reported as val_<name> = sum / n (nan where n sums to 0).
-    Return the same names for every batch. "loss" is required: it
+    Return the same names for every batch; "loss" is required: it is val_loss.
 {{ par.compute_metrics_doc() }}
     """
     images, labels = batch

@@ -33,8 +33,8 @@
 {%- endmacro %}
 
 {% macro compute_metrics_doc() %}
-    is val_loss. `model` is the plain model (not DDP, not compiled), in eval mode,
-    without grad and without --amp's autocast.
+    `model` is the plain model (not DDP, not compiled), in eval mode, without grad
+    and without --amp's autocast.
 {%- endmacro %}
 
 {% macro constants() %}
