@@ -8,7 +8,8 @@ def snapshot(t, at):
     sums = t.sums.totals()
     return {
 {{ saving.snapshot_tensors() }}
-        "scheduler": t.scheduler.state_dict() if t.scheduler else None,
+        "scheduler": packed({k: s and s.state_dict() for k, s in t.schedulers.items()}),
+        "kept": {name: thing.state_dict() for name, (thing, _) in t.kept.items()},
         "scaler": t.scaler.state_dict(),
         "epoch": at.epoch,  # passes done
         "epoch_samples": at.samples,  # of the pass under way, over all ranks
@@ -22,6 +23,16 @@ def snapshot(t, at):
 {% endif %}
         "args": {key: plain(value) for key, value in vars(args).items()},
     }
+
+
+def packed(states):
+    """{name: state} of the optimizers (or schedulers) as a checkpoint holds them:
+    build_optimizer()'s one (named "") alone, as torch.optim saves it."""
+    return states.get("", states)
+
+
+def unpacked(t, saved):
+    return {"": saved} if "" in t.optimizers else saved
 
 
 def plain(value):
@@ -206,11 +217,18 @@ def resume(t, checkpoint, out_dir):
                 f"than build_optimizer() makes{advice}"
             )
         # This run's optimizer settings, before the checkpoint's replace them.
-        fresh = [
-            {key: value for key, value in group.items() if key != "params"}
-            for group in t.optimizer.param_groups
-        ]
+        fresh = {
+            name: [{k: v for k, v in g.items() if k != "params"} for g in groups]
+            for name, groups in param_groups(t).items()
+        }
 {{ saving.resume_tensors() }}
+        for name, (thing, _) in t.kept.items():
+            if name not in checkpoint.get("kept", {}):
+                raise failure(
+                    f"error: {checkpoint['path']} holds no {name!r}, which "
+                    f"build_optimizer() keeps{advice}"
+                )
+            thing.load_state_dict(checkpoint["kept"][name])
         if checkpoint["scaler"]:  # empty when it was saved without --amp fp16
             t.scaler.load_state_dict(checkpoint["scaler"])
         at = Position(
@@ -274,19 +292,22 @@ def restore_schedule(t, checkpoint, done, fresh):
     global_batch = dist.get_world_size() * args.batch_size * args.grad_accum
     was = checkpoint["total_updates"], math.prod(checkpoint["global_batch"])
     same_length = was == (t.total_updates, global_batch)
-    if saved["lr"] == args.lr and (same_length or not t.scheduler):
-        if t.scheduler:
-            t.scheduler.load_state_dict(checkpoint["scheduler"])
+    schedulers = {name: s for name, s in t.schedulers.items() if s}
+    if saved["lr"] == args.lr and (same_length or not schedulers):
+        for name, state in unpacked(t, checkpoint["scheduler"]).items():
+            if state:
+                t.schedulers[name].load_state_dict(state)
         return
-    # Keep the optimizer's statistics (momentum, Adam moments); take the new settings.
-    for group, settings in zip(t.optimizer.param_groups, fresh, strict=True):
-        group.update(settings)
-    if t.scheduler:
-        with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()"
-            warnings.simplefilter("ignore")
+    # Keep the optimizers' statistics (momentum, Adam moments); take the new settings.
+    for name, groups in param_groups(t).items():
+        for group, settings in zip(groups, fresh[name], strict=True):
+            group.update(settings)
+    with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()"
+        warnings.simplefilter("ignore")
+        for scheduler in schedulers.values():
             for _ in range(min(done, t.total_updates)):
-                t.scheduler.step()
-    lr = t.optimizer.param_groups[0]["lr"]
+                scheduler.step()
+    lr = next(iter(param_groups(t).values()))[0]["lr"]
     print0(
         f"resume: the LR schedule is rebuilt for --lr {args.lr}, {t.total_updates} "
         f"updates of {global_batch} samples (the checkpoint's: --lr {saved['lr']}, "
@@ -301,11 +322,23 @@ def same_optimizer(t, checkpoint):
     def shape(groups):
         return [(sorted(group), len(group["params"])) for group in groups]
 
-    saved = checkpoint["optimizer"]["param_groups"]
-    if shape(saved) != shape(t.optimizer.state_dict()["param_groups"]):
+    optimizers = unpacked(t, checkpoint["optimizer"])
+    schedulers = unpacked(t, checkpoint["scheduler"])
+    if not (optimizers.keys() == schedulers.keys() == t.optimizers.keys()):
         return False
-    if t.scheduler is None or checkpoint["scheduler"] is None:
-        return t.scheduler is None and checkpoint["scheduler"] is None
-    return sorted(checkpoint["scheduler"]) == sorted(t.scheduler.state_dict())
+    for name, optimizer in t.optimizers.items():
+        saved, scheduler = schedulers[name], t.schedulers[name]
+        groups = shape(optimizers[name]["param_groups"])
+        if groups != shape(optimizer.state_dict()["param_groups"]):
+            return False
+        if (saved is None) != (scheduler is None):
+            return False
+        if scheduler and sorted(saved) != sorted(scheduler.state_dict()):
+            return False
+    return True
+
+
+def param_groups(t):
+    return {name: optimizer.param_groups for name, optimizer in t.optimizers.items()}
 
 

@@ -3,6 +3,9 @@
 # your data, model, optimizer, loss and metrics; the rest of the file works unchanged.
 # --------------------------------------------------------------------------------------
 NUM_CLASSES = 10
+# Recipes (the README's "Recipes" shows each): switch these on where yours needs them.
+FIND_UNUSED_PARAMETERS = False  # True: a step may leave parameters out of its loss
+ALTERNATE = False  # True: build_optimizer's optimizers take turns, each on its own loss
 
 
 def build_datasets(args):
@@ -49,9 +52,11 @@ def build_model(args):
 
 
 def build_optimizer(model, args, total_updates):
-    """Return (optimizer, scheduler or None). The scheduler is stepped once per
-    optimizer update; total_updates counts the updates of the whole run (all --epochs,
-    or --max-steps).
+    """Return (optimizer, scheduler or None), or {name: (optimizer, scheduler or
+    None)} for several: all step after each backward pass of compute_loss's loss
+    (with ALTERNATE, each in its turn, on its own loss). A scheduler is stepped once
+    per update; total_updates counts the updates of the whole run (all --epochs, or
+    --max-steps). State of your own that a resume needs (an EMA): keep() it here.
 
     Here SGD with momentum, and a learning rate that warms up linearly over the first
     1/--epochs of the run (the first epoch; a tenth of --max-steps at the default 10
@@ -74,6 +79,7 @@ def compute_loss(model, batch):
 
     `batch` is one DataLoader batch, already on the device, under autocast with --amp.
 {{ par.compute_loss_doc() }}
+    With ALTERNATE, a third argument names the optimizer whose turn it is.
     """
     images, labels = batch
     return F.cross_entropy(model(images), labels), len(labels)

@@ -21,6 +21,9 @@ import math
 import multiprocessing
 import os
 import pickle
+{% if not fsdp %}
+import re
+{% endif %}
 import select
 {% if not spawn %}
 import shlex
@@ -73,7 +76,11 @@ from torch.distributed.elastic.rendezvous import RendezvousError
 {% endif %}
 {% endif %}
 {% if fsdp %}
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    MixedPrecisionPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 {% endif %}
 {% if not spawn %}
 from torch.distributed.run import get_args_parser

@@ -19,20 +19,20 @@ class Reports:
                     "error: --tensorboard needs TensorBoard: pip install tensorboard"
                 ) from err
 
-        # Optimizer steps are timed by hooks, so the loop carries no timing code.
+        # Every optimizer's steps are timed by hooks: the loop carries no timing code.
         def begin(*_):
             self.began = self.mark()
 
         def end(*_):
             self.updates.append((self.began, self.mark()))
 
-        self.hooks = [
-            t.optimizer.register_step_pre_hook(begin),
-            t.optimizer.register_step_post_hook(end),
-        ]
+        self.hooks = []
+        for optimizer in t.optimizers.values():
+            self.hooks.append(optimizer.register_step_pre_hook(begin))
+            self.hooks.append(optimizer.register_step_post_hook(end))
 {% if fsdp %}
         self.memory_shown = False
-        self.hooks.append(t.optimizer.register_step_post_hook(self.show_memory))
+        self.hooks.append(optimizer.register_step_post_hook(self.show_memory))
 
     def show_memory(self, optimizer, *_):
         """FSDP2, after the first update (the optimizer's state exists from then on):
@@ -157,8 +157,11 @@ class Reports:
             row = {"epoch": epoch, "step": at.step}
             row["train_loss"] = loss_sum / units if units else math.nan
             row |= {f"val_{name}": value for name, value in metrics.items()}
+            row |= {  # each optimizer's: lr, or lr_NAME for several
+                f"lr_{name}" if name else "lr": optimizer.param_groups[0]["lr"]
+                for name, optimizer in self.t.optimizers.items()
+            }
             row |= {
-                "lr": self.t.optimizer.param_groups[0]["lr"],
                 "samples_per_s": self.samples / trained_s,
                 "epoch_s": time.perf_counter() - self.since,
                 "data_s": self.data_s,

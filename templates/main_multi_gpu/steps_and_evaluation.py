@@ -27,44 +27,60 @@ class LossSums:
         return tuple(totals.tolist())
 
 
-class UnitCounter(nn.Module):
-    """The model and a parameter, zero, {{ par.counter_host }}: each micro-batch adds
-    units x n to its loss, so the gradients' reduction brings the mean n per rank."""
+class Step(nn.Module):
+    """{{ par.step_host }}: the model, and a training step (compute_loss) as
+    the forward pass, so that {{ par.step_sees }} every parameter a step uses; and `units`,
+    a parameter, zero: each micro-batch adds units x n to its loss, so the gradients'
+    reduction brings the mean n per rank."""
 
     def __init__(self, model):
         super().__init__()
         self.model = model
         self.units = nn.Parameter(torch.zeros(dist.get_world_size()))  # one per rank
 
-    def forward(self, *args, **kwargs):
-        return self.model(*args, **kwargs)
+    def forward(self, batch, real, turn):
+        """compute_loss's (loss, n) for one micro-batch, and units x n."""
+        loss, n = compute_loss(self.model, batch, *turn)
+        n = n if real else 0  # a stand-in batch at a stream's end weighs nothing
+        return loss, n, self.units.sum() * n
+{% if fsdp %}
+
+    def metrics(self, batch):
+        """compute_metrics for one batch (a forward pass: see build_sharded)."""
+        return compute_metrics(self.model, batch)
+{% endif %}
 
     def take_units(self):
-        """The units of the update just reduced, over all ranks; counting restarts."""
-        grad, self.units.grad = self.units.grad, None
+        """The units of the update just reduced, over all ranks."""
+        grad = self.units.grad
 {% if fsdp %}
         grad = grad.to_local()  # reduce-scattered: this rank's element of the mean
 {% endif %}
         return grad[0].double() * dist.get_world_size()
 
 
-def update(t, units):
+def update(t, turn):
 {{ par.update_doc() }}
-    args = t.args
+    args, names = t.args, turn or tuple(t.optimizers)  # the turn's, or all
+    optimizers = [t.optimizers[name] for name in names]
+    params = [p for o in optimizers for g in o.param_groups for p in g["params"]]
     # The gradients are of loss sums, averaged over ranks: divide them by the mean
-    # units per rank (`units`: over all ranks), so that every update follows the mean
-    # loss over all units of the global batch, for any processes and --grad-accum.
-    units.clamp_(min=1)  # an update of padding alone: zero gradients, not 0 / 0
-    t.scaler.unscale_(t.optimizer)  # --amp fp16: the true gradients, for clipping
-    grads = [p.grad for p in t.model.parameters() if p.grad is not None]
+    # units per rank (over all ranks), so that every update follows the mean loss
+    # over all units of the global batch, for any processes and --grad-accum.
+    units = t.{{ par.step }}.take_units().clamp_(min=1)  # padding alone: 0, not 0 / 0
+    for optimizer in optimizers:  # --amp fp16: the true gradients, for clipping
+        t.scaler.unscale_(optimizer)
+    grads = [p.grad for p in params if p.grad is not None]
     torch._foreach_mul_(grads, args.batch_size * dist.get_world_size() / units)
     if args.clip_grad_norm:
-        nn.utils.clip_grad_norm_(t.model.parameters(), args.clip_grad_norm)
-    t.scaler.step(t.optimizer)  # skipped when fp16 gradients overflowed
+        nn.utils.clip_grad_norm_(params, args.clip_grad_norm)
+    for optimizer in optimizers:
+        t.scaler.step(optimizer)  # skipped when fp16 gradients overflowed
     t.scaler.update()
-    t.optimizer.zero_grad(set_to_none=True)
-    if t.scheduler:
-        t.scheduler.step()
+    t.{{ par.step }}.zero_grad(set_to_none=True)  # a turn's loss reaches others' too
+    for name in names:
+        if t.schedulers[name]:
+            t.schedulers[name].step()
 
 
 def check(t, reports):

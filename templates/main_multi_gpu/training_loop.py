@@ -180,8 +180,10 @@ class Training:
     args: argparse.Namespace
     device: torch.device
 {{ par.training_fields() }}
-    optimizer: torch.optim.Optimizer
-    scheduler: object  # an LR scheduler, or None
+    evaluated: nn.Module  # the model, or what keep(..., evaluate=) named
+    optimizers: dict  # name -> optimizer (the name "" for build_optimizer's one)
+    schedulers: dict  # name -> its LR scheduler, or None
+    kept: dict  # name -> what keep() declared, and the module it evaluates or None
     scaler: torch.amp.GradScaler
     train_data: object  # what places a pass: a ResumableSampler, or a StreamShard
     train_loader: DataLoader
@@ -192,6 +194,30 @@ class Training:
 {% if strategy == "best" %}
     best_val_loss: float = math.inf
 {% endif %}
+
+
+KEPT = {}  # keep()'s declarations, as Training.kept has them
+
+
+def keep(name, thing, evaluate=None):
+    """Call it in build_optimizer(): thing.state_dict() goes into every checkpoint
+    under `name`, and a resume loads it back (an EMA of the weights, a counter: any
+    object with state_dict() and load_state_dict()). evaluate: the module that
+    evaluation, --evaluate and DIR/model_final_NAME.pt use instead of the trained
+    model (an EMA's averaged copy, AveragedModel.module)."""
+    KEPT[name] = thing, evaluate
+
+
+def named(built):
+    """build_optimizer()'s answer as ({name: optimizer}, {name: scheduler or None});
+    a single (optimizer, scheduler) is named ""."""
+    built = built if isinstance(built, Mapping) else {"": built}
+    if ALTERNATE and len(built) < 2:
+        raise failure(
+            "error: ALTERNATE needs several optimizers: build_optimizer() returns "
+            "{name: (optimizer, scheduler or None)}, one per turn"
+        )
+    return {k: o for k, (o, _) in built.items()}, {k: s for k, (_, s) in built.items()}
 
 
 @dataclass
@@ -217,13 +243,17 @@ def train(args, device):
             if train_pass(t, at, reports):  # a stop signal: saved, so stop
                 return stopped(last_path, at, args.batch_size)
 {{ saving.final_weights() }}
-    by_rank_0(device, save_final, weights, out_dir, args.tensorboard)
+    evaluated = {name: e.state_dict() for name, (_, e) in t.kept.items() if e}
+    by_rank_0(device, save_final, weights, evaluated, out_dir, args.tensorboard)
     return 0
 
 
-def save_final(weights, out_dir, tensorboard):
-    """Rank 0, at the run's end: model_final.pt, the plot, and where they are."""
+def save_final(weights, evaluated, out_dir, tensorboard):
+    """Rank 0, at the run's end: model_final.pt (and the evaluated weights, when
+    keep() named others), the plot, and where they are."""
     save_atomic(weights, out_dir / "model_final.pt")
+    for name, state in evaluated.items():
+        save_atomic(state, out_dir / f"model_final_{name}.pt")
 {% if strategy == "final_only" %}
     # final_only: the checkpoint a stop or --save-every wrote goes
 {{ saving.remove_last_checkpoint() }}
@@ -249,15 +279,24 @@ def train_pass(t, at, reports):
     torch.manual_seed(args.seed + at.epoch * dist.get_world_size() + dist.get_rank())
     t.sums.epoch = at.epoch
     t.sums.next_step = at.samples // (args.batch_size * dist.get_world_size())
-    micro = 0  # micro-batches of this pass in this run
+    # An update steps every optimizer; with ALTERNATE, each in its own turn.
+    turns = [(name,) for name in t.optimizers] if ALTERNATE else [()]
+    micro, held = 0, []  # micro-batches of this pass in this run; of this update
     for batch, real, position, last, state in reports.batches(pass_data(t, at), at):
-        batch = to_device(batch, device)
+        held.append((to_device(batch, device), real))
         micro += 1
         sync = micro % args.grad_accum == 0 or last
-{{ par.train_step() }}
-        t.sums.add(loss, n)
+        if ALTERNATE and not sync:
+            continue  # every turn trains on all the update's micro-batches: held
+        for turn in turns:
+            for i, (batch, real) in enumerate(held, 1):
+                loss, n = backward(t, batch, real, turn, sync and i == len(held))
+                if turn == turns[0]:  # train_loss is the first turn's
+                    t.sums.add(loss, n)
+            if sync:
+                update(t, turn)
+        held = []
         if sync:
-            update(t, {{ par.update_units }})
             at.step, at.samples, at.stream = at.step + 1, position, state
             if last:  # the pass is done
                 at.epoch, at.samples, at.stream = at.epoch + 1, 0, None
@@ -268,6 +307,14 @@ def train_pass(t, at, reports):
     if not micro:
         raise failure("error: build_datasets() returned an empty training stream")
     return False
+
+
+def backward(t, batch, real, turn, sync):
+    """One micro-batch's forward and backward pass (sync: the update's last, whose
+    gradients are averaged over the ranks). Returns its loss and units."""
+    args, device = t.args, t.device
+{{ par.train_step() }}
+    return loss, n
 
 
 def pass_data(t, at):
@@ -316,9 +363,9 @@ def after_update(t, at, reports, last):
 {% endif %}
     if evaluating:
 {{ par.evaluation_comment() }}
-        for buffer in t.model.buffers():
+        for buffer in t.evaluated.buffers():
             dist.broadcast(buffer, src=0)
-        metrics = evaluate(t.{{ par.evaluated }}, t.val_loader, t.device)
+        metrics = evaluate(t.evaluated, t.val_loader, t.device)
         reports.row(at, metrics)
 {% if strategy == "best" %}
         if metrics["loss"] < t.best_val_loss:

@@ -29,7 +29,9 @@ def save_checkpoints(t, at, names):
         # DDP change 4: the plain model (not the DDP wrapper, nor torch.compile's), so
         # the weights load without either and without a "module." prefix in keys.
         "model": t.model.state_dict(),
-        "optimizer": t.optimizer.state_dict(),
+        "optimizer": packed({k: o.state_dict() for k, o in t.optimizers.items()}),
+        # The weights evaluation uses, where keep() named others (for --evaluate).
+        "evaluated": None if t.evaluated is t.model else t.evaluated.state_dict(),
 {%- endmacro %}
 
 {% macro load_checkpoint() %}
@@ -54,5 +56,6 @@ def load_checkpoint(resume, last_path, device):
 
 {% macro resume_tensors() %}
         load_weights(t.model, checkpoint["model"], checkpoint["path"], advice)
-        t.optimizer.load_state_dict(checkpoint["optimizer"])
+        for name, state in unpacked(t, checkpoint["optimizer"]).items():
+            t.optimizers[name].load_state_dict(state)
 {%- endmacro %}

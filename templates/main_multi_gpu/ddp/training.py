@@ -3,10 +3,10 @@
    (`{{ par.train_step() }}`), in the order the generated file uses them; fsdp2/
    defines the same names. A macro's text is exactly the lines it stands for: its
    last newline comes from the line that calls it. #}
-{# Names the section files use: the module train_pass() calls train(), the update's
-   units, the module evaluated, where UnitCounter sits. #}
-{% set wrapper, update_units, evaluated, counter_host = (
-    "ddp_model", "t.ddp_model.module.take_units()", "model", "in the module DDP wraps"
+{# Names the section files use: the module train_pass() calls train(), the Step
+   module that holds the model, and where it sits. #}
+{% set wrapper, step, step_host, step_sees = (
+    "ddp_model", "ddp_model.module", "The module DDP wraps", "DDP sees"
 ) %}
 
 {% macro intro() %}
@@ -29,7 +29,8 @@
 {%- endmacro %}
 
 {% macro compute_loss_doc() %}
-    `model` is the DDP-wrapped model: call it, as here, and nothing else of it.
+    `model` is your model (compiled with --compile), called inside DDP's forward pass,
+    so that DDP sees which parameters a step uses.
 {%- endmacro %}
 
 {% macro compute_metrics_doc() %}
@@ -42,22 +43,22 @@ CHANNELS_LAST = True  # on GPUs, 2-D convolutions in NHWC: faster
 {%- endmacro %}
 
 {% macro training_fields() %}
-    model: nn.Module  # the plain model: evaluated and saved (DDP change 4)
+    model: nn.Module  # the plain model: saved (DDP change 4), and evaluated
     ddp_model: DDP  # the same parameters in the DDP wrapper: trained (DDP change 3)
 {%- endmacro %}
 
 {% macro train_step() %}
-        # DDP change 3: the gradient all-reduce runs in the backward pass of the last
-        # micro-batch of each update only; no_sync() skips it for the others.
-        with contextlib.nullcontext() if sync else t.ddp_model.no_sync():
-            with torch.autocast(device.type, AMP_DTYPES[args.amp], args.amp != "none"):
-                loss, n = compute_loss(t.ddp_model, batch)
-            n = n if real else 0  # a stand-in batch at a stream's end weighs nothing
-            # The loss summed over the batch's n units, at the usual scale (n / batch
-            # size is 1 for a per-sample loss); update() divides by the global units,
-            # which the all-reduce brings with the gradients (see UnitCounter).
-            counted = t.ddp_model.module.units.sum() * n  # zero, with the gradient n
-            (t.scaler.scale(loss * (n / args.batch_size)) + counted).backward()
+    # DDP change 3: the gradient all-reduce runs in the backward pass of the last
+    # micro-batch of each update only; no_sync() skips it for the others.
+    with contextlib.nullcontext() if sync else t.ddp_model.no_sync():
+        with torch.autocast(device.type, AMP_DTYPES[args.amp], args.amp != "none"):
+            loss, n, counted = t.ddp_model(batch, real, turn)  # see Step
+        # The loss summed over the batch's n units, at the usual scale (n / batch
+        # size is 1 for a per-sample loss); update() divides by the global units,
+        # which the all-reduce brings with the gradients (`counted`: zero).
+        (t.scaler.scale(loss * (n / args.batch_size)) + counted).backward()
+    if sync:
+        check_reduced(t.ddp_model)
 {%- endmacro %}
 
 {% macro evaluation_comment() %}
@@ -88,9 +89,7 @@ CHANNELS_LAST = True  # on GPUs, 2-D convolutions in NHWC: faster
     flat = all(p.dim() < 5 for p in model.parameters())
     nhwc = CHANNELS_LAST and device.type == "cuda" and flat
     model.to(device, memory_format=torch.channels_last if nhwc else None)
-    optimizer, scheduler = build_optimizer(model, args, total_updates)
-    # float16 needs loss scaling against underflowing gradients; otherwise a no-op.
-    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
+    optimizers, schedulers = named(build_optimizer(model, args, total_updates))
 
     # DDP change 3: wrap the model. Its backward pass averages gradients over all ranks,
     # so every replica takes the same optimizer step. Train through ddp_model; save
@@ -98,21 +97,28 @@ CHANNELS_LAST = True  # on GPUs, 2-D convolutions in NHWC: faster
     # torch.compile inside DDP: the compiled graph is split at DDP's gradient buckets,
     # so the all-reduce still overlaps with the backward pass.
     ddp_model = DDP(
-        UnitCounter(torch.compile(model) if args.compile else model),
+        Step(torch.compile(model) if args.compile else model),
         device_ids=[device.index] if device.type == "cuda" else None,
         gradient_as_bucket_view=True,
+        find_unused_parameters=FIND_UNUSED_PARAMETERS,
 {% if cookiecutter.sync_bn %}
         broadcast_buffers=device.type != "cuda",  # SyncBatchNorm's are equal already
 {% endif %}
     )
+    # What evaluation, --evaluate and the final weights use: the model, or what
+    # build_optimizer() named with keep(..., evaluate=) (an EMA's average).
+    evaluated = next((e for _, e in KEPT.values() if e is not None), model)
     return Training(
         args,
         device,
         model,
         ddp_model,
-        optimizer,
-        scheduler,
-        scaler,
+        evaluated,
+        optimizers,
+        schedulers,
+        dict(KEPT),
+        # float16 needs loss scaling against underflowing gradients; else a no-op.
+        torch.amp.GradScaler(device.type, enabled=args.amp == "fp16"),
         train_data,
         train_loader,
         val_loader,
@@ -120,6 +126,23 @@ CHANNELS_LAST = True  # on GPUs, 2-D convolutions in NHWC: faster
         total_updates,
     )
 
+
+def check_reduced(ddp_model):
+    """After an update's backward pass: every parameter's gradient was reduced, or one
+    line names those the step left out, and what to set (DDP's own error would come
+    one step later, as a wall of text)."""
+    try:
+        ddp_model._check_reducer_finalized()
+    except RuntimeError as err:
+        found = re.search(r"did not receive grad for rank \d+: ([\d ]+)", str(err))
+        trained = [n for n, p in ddp_model.module.named_parameters() if p.requires_grad]
+        indices = found[1].split() if found else []
+        left = ", ".join(trained[int(i)].removeprefix("model.") for i in indices)
+        raise failure(
+            f"error: the step left {left or 'parameters'} out of its loss: set "
+            "FIND_UNUSED_PARAMETERS = True at the top of this file (or freeze them "
+            "with requires_grad_(False))"
+        ) from None
 {%- endmacro %}
 
 {% macro update_doc() %}
@@ -143,7 +166,9 @@ CHANNELS_LAST = True  # on GPUs, 2-D convolutions in NHWC: faster
     torch.manual_seed(args.seed)  # the data build_datasets() makes for this seed
     _, val_set = datasets(args)
     model = build_model(args).to(device)
-    load_weights(model, saved["model"] if "optimizer" in saved else saved, path)
+    if "optimizer" in saved:  # a checkpoint: the weights its evaluation used
+        saved = saved.get("evaluated") or saved["model"]  # see keep()
+    load_weights(model, saved, path)
 {%- endmacro %}
 
 {% macro compile_flag() %}

@@ -25,7 +25,8 @@ def save_checkpoints(t, at, names):
     the rest of the state (train_state.pt). It is written as NAME.tmp, renamed once
     complete: a folder under its own name is always whole."""
     state = snapshot(t, at)
-    shards = dict(zip(("model", "optimizer"), get_state_dict(t.model, t.optimizer)))
+    optimizers = list(t.optimizers.values())
+    shards = dict(zip(("model", "optimizer"), get_state_dict(t.model, optimizers)))
     out_dir = Path(t.args.output_dir)
     tmp = out_dir / f"{names[0]}.tmp"
     if dist.get_rank() == 0:
@@ -63,7 +64,12 @@ def replace_folder(new, path):
 
 {% macro snapshot_tensors() %}
         # The model's and the optimizer's tensors: every rank's shards, beside this.
-        "optimizer": {"param_groups": t.optimizer.state_dict()["param_groups"]},
+        "optimizer": packed(
+            {
+                k: {"param_groups": o.state_dict()["param_groups"]}
+                for k, o in t.optimizers.items()
+            }
+        ),
 {%- endmacro %}
 
 {% macro load_checkpoint() %}
@@ -124,5 +130,6 @@ def load_shards(model, optimizer, path, verb, advice=""):
 {%- endmacro %}
 
 {% macro resume_tensors() %}
-        load_shards(t.model, t.optimizer, checkpoint["path"], "resume from", advice)
+        optimizers = list(t.optimizers.values())
+        load_shards(t.model, optimizers, checkpoint["path"], "resume from", advice)
 {%- endmacro %}

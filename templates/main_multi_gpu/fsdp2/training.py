@@ -3,10 +3,10 @@
    (`{{ par.train_step() }}`), in the order the generated file uses them; ddp/
    defines the same names. A macro's text is exactly the lines it stands for: its
    last newline comes from the line that calls it. #}
-{# Names the section files use: the module train_pass() calls train(), the update's
-   units, the module evaluated, where UnitCounter sits. #}
-{% set wrapper, update_units, evaluated, counter_host = (
-    "train_model", "t.sharded.take_units()", "sharded", "the root of the sharding"
+{# Names the section files use: the module train_pass() calls train(), the Step
+   module that holds the model, and where it sits. #}
+{% set wrapper, step, step_host, step_sees = (
+    "train_model", "sharded", "The root of the sharding", "FSDP2 sees"
 ) %}
 
 {% macro intro() %}
@@ -31,12 +31,12 @@
 {%- endmacro %}
 
 {% macro compute_loss_doc() %}
-    `model` is the model sharded by FSDP2 (compiled with --compile): call it, as here.
+    `model` is the model sharded by FSDP2, called inside its root's forward pass.
 {%- endmacro %}
 
 {% macro compute_metrics_doc() %}
     `model` is the sharded model (not compiled), in eval mode, without grad and
-    without --amp's autocast.
+    without --amp's autocast, called inside its root's forward pass.
 {%- endmacro %}
 
 {% macro constants() %}
@@ -47,22 +47,20 @@ RANK_0_WRITES_REPLICAS = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
 
 {% macro training_fields() %}
     model: nn.Module  # sharded over the ranks (DDP change 3): saved
-    sharded: nn.Module  # it in a UnitCounter, the root of the sharding: evaluated
+    sharded: nn.Module  # it in a Step, the root of the sharding
     train_model: nn.Module  # the same, compiled with --compile: trained
 {%- endmacro %}
 
 {% macro train_step() %}
-        # DDP change 3 (FSDP2): gradients are reduce-scattered over the ranks in the
-        # backward pass of the last micro-batch of each update only.
-        t.sharded.set_requires_gradient_sync(sync)
-        with torch.autocast(device.type, AMP_DTYPES[args.amp], args.amp != "none"):
-            loss, n = compute_loss(t.train_model, batch)
-        n = n if real else 0  # a stand-in batch at a stream's end weighs nothing
-        # The loss summed over the batch's n units, at the usual scale (n / batch size
-        # is 1 for a per-sample loss); update() divides by the global units, which
-        # the reduce-scatter brings with the gradients (see UnitCounter).
-        counted = t.sharded.units.sum() * n  # zero, with the gradient n
-        (t.scaler.scale(loss * (n / args.batch_size)) + counted).backward()
+    # DDP change 3 (FSDP2): gradients are reduce-scattered over the ranks in the
+    # backward pass of the last micro-batch of each update only.
+    t.sharded.set_requires_gradient_sync(sync)
+    with torch.autocast(device.type, AMP_DTYPES[args.amp], args.amp != "none"):
+        loss, n, counted = t.train_model(batch, real, turn)  # see Step
+    # The loss summed over the batch's n units, at the usual scale (n / batch size is
+    # 1 for a per-sample loss); update() divides by the global units, which the
+    # reduce-scatter brings with the gradients (`counted`: zero).
+    (t.scaler.scale(loss * (n / args.batch_size)) + counted).backward()
 {%- endmacro %}
 
 {% macro evaluation_comment() %}
@@ -77,18 +75,21 @@ RANK_0_WRITES_REPLICAS = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
 {% macro wrap_model() %}
     sharded = build_sharded(args, device)  # DDP change 3 (FSDP2), before the optimizer
     model = sharded.model
-    optimizer, scheduler = build_optimizer(model, args, total_updates)
-    # float16 needs loss scaling against underflowing gradients; otherwise a no-op.
-    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
+    optimizers, schedulers = named(build_optimizer(model, args, total_updates))
+    if any(evaluate is not None for _, evaluate in KEPT.values()):
+        raise failure("error: keep(..., evaluate=) needs parallelism=ddp", status=2)
     return Training(
         args,
         device,
         model,
         sharded,
         torch.compile(sharded) if args.compile else sharded,
-        optimizer,
-        scheduler,
-        scaler,
+        sharded,  # evaluated through the root, which gathers its own parameters
+        optimizers,
+        schedulers,
+        dict(KEPT),
+        # float16 needs loss scaling against underflowing gradients; else a no-op.
+        torch.amp.GradScaler(device.type, enabled=args.amp == "fp16"),
         train_data,
         train_loader,
         val_loader,
@@ -110,15 +111,16 @@ def build_sharded(args, device):
     also builds it for real (the seed's initial weights, as one process would) and
     sends it, a tensor at a time, into every rank's shards.
 
-    Returns the model in a UnitCounter, the root, whose group also holds the model's
-    own parameters (those in no block), in float32: the counter's gradients are
-    whole numbers."""
+    Returns the model in a Step, the root, whose group also holds the model's own
+    parameters (those in no block), in float32: the units' gradients are whole
+    numbers. Its metrics() runs as a forward pass too (for evaluation)."""
     whole = build_model(args) if dist.get_rank() == 0 else None
     with torch.device("meta"):
-        sharded = UnitCounter(build_model(args))
+        sharded = Step(build_model(args))
     for block in reversed(sharded_blocks(sharded.model)):  # inner blocks first
         fully_shard(block, **precision(block, args))
     fully_shard(sharded)
+    register_fsdp_forward_method(sharded, "metrics")
     sharded.to_empty(device=device)
     nn.init.zeros_(sharded.units)
     for name, buffer in sharded.model.named_buffers():  # whole on every rank
@@ -168,7 +170,7 @@ def precision(module, args):
 {% macro evaluate_batches() %}
     for batch, real in lockstep(loader):
         WATCH.beat()
-        metrics = compute_metrics(model, to_device(batch, device))
+        metrics = model.metrics(to_device(batch, device))
         if not real:
             continue
         for name, (total, n) in metrics.items():

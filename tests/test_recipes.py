@@ -1,0 +1,233 @@
+"""Recipes beyond the five functions, written in the edit zone only: the generated
+README's "Recipes" examples, pasted over the default functions as a user would, keep
+the guarantees. W processes x batch B equal 1 x W.B (with --grad-accum, --compile and
+clipping where they apply), a stop (SIGTERM, or kill -9 with --save-every) and the same
+command again equal a run never stopped, and evaluation, --evaluate and the saved
+weights agree.
+- unused parameters and activation checkpointing (FIND_UNUSED_PARAMETERS), and the
+  one line a run gets without the setting;
+- Muon and AdamW on one loss, each with its schedule, an lr column each, a new --lr
+  on resume;
+- a GAN's alternating updates (ALTERNATE), each with its own loss;
+- an EMA of the weights declared with keep(), evaluated and saved beside the model."""
+
+import math
+
+import pytest
+import torch
+
+from conftest import (
+    act_after_step,
+    bake,
+    edit,
+    error_lines,
+    load_module,
+    load_weights,
+    max_difference,
+    metrics,
+    replace_user_functions,
+    run_warm,
+    without_batchnorm,
+)
+from test_faults import watch
+from test_streams import readme_block
+
+COMMON = ["--num-workers", "0", "--val-size", "37", "--train-size", "64"]
+KILL = "os.kill(os.getpid(), signal.SIGKILL)"  # no handler runs: nothing saved
+SIGTERM = "os.killpg(os.getpgrp(), signal.SIGTERM)"  # the whole job, as Slurm does
+
+
+def recipe(tmp_path, marker, **answers):
+    """The default project with the README's recipe that contains `marker`."""
+    project = bake(tmp_path / "project", **answers)
+    replace_user_functions(project, readme_block(project, marker))
+    return project
+
+
+def train(project, out_dir, nproc, *args, expect=0, env=None):
+    return run_warm(project, out_dir, nproc, *COMMON, *args, env=env, expect=expect)
+
+
+def final(out_dir, name="model_final.pt"):
+    return load_weights(out_dir / name)
+
+
+def start_weights(project):
+    module = load_module(project)
+    torch.manual_seed(0)
+    return module.build_model(module.parse_args([])).state_dict()
+
+
+# -- unused parameters, activation checkpointing ----------------------------------------
+
+
+def test_unused_parameters_and_activation_checkpointing(tmp_path):
+    project = recipe(tmp_path, "class Net(")
+    args = ["--epochs", "2", "--lr", "0.05"]
+    train(project, tmp_path / "w2", 2, *args, "--batch-size", "8")
+    train(project, tmp_path / "w1", 1, *args, "--batch-size", "16")
+    accum = [*args, "--batch-size", "8", "--grad-accum", "2", "--compile"]
+    train(project, tmp_path / "accum", 1, *accum)
+    w2, start = final(tmp_path / "w2"), start_weights(project)
+    assert max_difference(w2, final(tmp_path / "w1")) < 1e-5
+    assert max_difference(w2, final(tmp_path / "accum")) < 1e-5
+    assert max_difference(w2, start) > 1e-2  # it trained
+    assert torch.equal(w2["extra.weight"], start["extra.weight"])  # no gradient
+
+    # Without the setting, the first step stops the run in one line that names them.
+    edit(
+        project, "FIND_UNUSED_PARAMETERS = True  #", "FIND_UNUSED_PARAMETERS = False  #"
+    )
+    output = train(project, tmp_path / "off", 2, *args, "--batch-size", "8", expect=1)
+    assert error_lines(output) == [
+        "error: the step left extra.weight, extra.bias out of its loss: set "
+        "FIND_UNUSED_PARAMETERS = True at the top of this file (or freeze them with "
+        "requires_grad_(False))"
+    ], output
+    assert (
+        "Traceback" not in output and not (tmp_path / "off" / "model_final.pt").exists()
+    )
+
+
+# -- several optimizers on one loss ----------------------------------------------------
+
+
+def cosine(lr, step, total):
+    return lr * (1 + math.cos(math.pi * step / total)) / 2
+
+
+def test_muon_and_adamw_on_one_loss(tmp_path):
+    project = recipe(tmp_path, "torch.optim.Muon")
+    without_batchnorm(project)
+    act_after_step(project)
+    args = ["--epochs", "2", "--lr", "0.02", "--clip-grad-norm", "0.5"]
+    a = tmp_path / "a"
+    train(project, a, 2, *args, "--batch-size", "8")
+    train(project, tmp_path / "b", 1, *args, "--batch-size", "16")
+    assert max_difference(final(a), final(tmp_path / "b")) < 1e-5
+    rows = metrics(a)
+    assert "lr" not in rows[0] and [r["step"] for r in rows] == ["4", "8"]
+    for row in rows:  # each optimizer on its own cosine
+        step = int(row["step"])
+        assert float(row["lr_muon"]) == pytest.approx(cosine(0.02, step, 8), abs=1e-9)
+        assert float(row["lr_adamw"]) == pytest.approx(cosine(0.002, step, 8), abs=1e-9)
+
+    # Stopped by SIGTERM after update 2, resumed: both optimizers' state came back.
+    stop = {"TEST_ACT_AT": "0:0:1", "TEST_ACTION": SIGTERM}
+    output = train(
+        project, tmp_path / "c", 2, *args, "--batch-size", "8", env=stop, expect=143
+    )
+    assert "preempted: saved" in output
+    train(project, tmp_path / "c", 2, *args, "--batch-size", "8")
+    assert max_difference(final(a), final(tmp_path / "c")) < 1e-6
+
+    # One epoch, then a resume with another --lr: both schedules rebuilt for it.
+    d, rest = tmp_path / "d", ["--clip-grad-norm", "0.5", "--batch-size", "8"]
+    train(project, d, 2, "--epochs", "1", "--lr", "0.02", *rest)
+    output = train(
+        project, d, 2, "--epochs", "2", "--lr", "0.01", "--eval-every", "2", *rest
+    )
+    assert "resume: the LR schedule is rebuilt for --lr 0.01" in output, output
+    (row,) = [row for row in metrics(d) if row["step"] == "6"]
+    assert float(row["lr_muon"]) == pytest.approx(cosine(0.01, 6, 8), abs=1e-9)
+    assert float(row["lr_adamw"]) == pytest.approx(cosine(0.001, 6, 8), abs=1e-9)
+
+
+# -- alternating updates: a GAN ----------------------------------------------------------
+
+
+def gan(tmp_path, **answers):
+    """The README's GAN, with its noise drawn from the images instead of each rank's
+    own generator, so that W x B can equal 1 x W.B exactly."""
+    project = recipe(tmp_path, "class GAN(", **answers)
+    edit(
+        project,
+        "noise = torch.randn(len(real), NOISE, device=real.device)",
+        "noise = real[:, :NOISE]",
+    )
+    edit(
+        project,
+        "model.generator(torch.randn(len(real), NOISE, device=real.device))",
+        "model.generator(real[:, :NOISE])",
+    )
+    act_after_step(project)
+    return project
+
+
+GAN_ARGS = ["--epochs", "2", "--lr", "0.001", "--clip-grad-norm", "1.0"]
+
+
+def test_a_gan_alternates_its_updates(tmp_path):
+    project = gan(tmp_path)
+    args = [*GAN_ARGS, "--save-every", "3"]
+    straight = tmp_path / "straight"
+    train(project, straight, 2, *args, "--batch-size", "4", "--grad-accum", "2")
+    train(project, tmp_path / "w1", 1, *args, "--batch-size", "16")
+    start, done = start_weights(project), final(straight)
+    assert max_difference(done, final(tmp_path / "w1")) < 1e-5
+    for part in ("generator", "discriminator"):  # both turns trained
+        moved = {k: v for k, v in done.items() if k.startswith(part)}
+        assert max_difference(moved, {k: start[k] for k in moved}) > 1e-4
+    assert {"val_loss", "val_fooled", "lr_discriminator", "lr_generator"} <= set(
+        metrics(straight)[0]
+    )
+
+    # Rank 1 killed after update 5 (pass 2, its 2nd step), the same command again:
+    # update 3's save, both Adams' moments, and the end of the straight run.
+    out = tmp_path / "killed"
+    command = [
+        "./run_single.sh",
+        *COMMON,
+        *args,
+        "--batch-size",
+        "4",
+        "--grad-accum",
+        "2",
+    ]
+    kill = {"NPROC_PER_NODE": "2", "TEST_ACT_AT": "1:1:1", "TEST_ACTION": KILL}
+    code, output, _, left = watch([*command, "--output-dir", str(out)], project, kill)
+    assert code == 1 and left == [] and "error: rank 1 died (SIGKILL)" in output
+    output = train(project, out, 2, *args, "--batch-size", "4", "--grad-accum", "2")
+    assert "resumed from" in output
+    assert max_difference(final(out), done) < 1e-6
+
+
+# -- an EMA of the weights, kept ------------------------------------------------------------
+
+
+def test_an_ema_is_kept_evaluated_and_saved(tmp_path):
+    project = recipe(tmp_path, "AveragedModel(")
+    without_batchnorm(project)
+    act_after_step(project)
+    args = ["--epochs", "2", "--lr", "0.05"]
+    a = tmp_path / "a"
+    train(project, a, 2, *args, "--batch-size", "8")
+    train(project, tmp_path / "b", 1, *args, "--batch-size", "16")
+    for name in ("model_final.pt", "model_final_ema.pt"):
+        assert max_difference(final(a, name), final(tmp_path / "b", name)) < 1e-5
+    ema, trained = final(a, "model_final_ema.pt"), final(a)
+    assert 1e-4 < max_difference(ema, trained)  # an average, not the weights
+
+    # Evaluation scored the EMA: --evaluate of its file and of the checkpoint agree.
+    last = metrics(a)[-1]
+    for path in (a / "model_final_ema.pt", a / "checkpoint_last.pt"):
+        output = train(project, a, 2, "--evaluate", str(path))
+        assert f"val_loss {float(last['val_loss']):.6g}" in output, output
+
+    # SIGTERM after update 2, resumed: the EMA came back with the model.
+    stop = {"TEST_ACT_AT": "0:0:1", "TEST_ACTION": SIGTERM}
+    c = tmp_path / "c"
+    train(project, c, 2, *args, "--batch-size", "8", env=stop, expect=143)
+    train(project, c, 2, *args, "--batch-size", "8")
+    assert max_difference(final(c, "model_final_ema.pt"), ema) < 1e-6
+
+    # A checkpoint saved before the EMA was added: one line, not a KeyError.
+    plain = bake(tmp_path / "plain")
+    without_batchnorm(plain)
+    old = tmp_path / "old"
+    train(plain, old, 2, "--epochs", "1", "--lr", "0.05", "--batch-size", "8")
+    output = train(project, old, 2, *args, "--batch-size", "8", expect=1)
+    assert error_lines(output) == [
+        f"error: {old / 'checkpoint_last.pt'} holds no 'ema', which build_optimizer() "
+        "keeps; start afresh with --resume never or another --output-dir"
+    ], output
