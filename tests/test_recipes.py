@@ -79,11 +79,12 @@ def test_unused_parameters_and_activation_checkpointing(tmp_path):
         project, "FIND_UNUSED_PARAMETERS = True  #", "FIND_UNUSED_PARAMETERS = False  #"
     )
     output = train(project, tmp_path / "off", 2, *args, "--batch-size", "8", expect=1)
-    assert error_lines(output) == [
+    line = (
         "error: the step left extra.weight, extra.bias out of its loss: set "
         "FIND_UNUSED_PARAMETERS = True at the top of this file (or freeze them with "
         "requires_grad_(False))"
-    ], output
+    )
+    assert error_lines(output) == [line], output
     assert (
         "Traceback" not in output and not (tmp_path / "off" / "model_final.pt").exists()
     )
@@ -175,19 +176,12 @@ def test_a_gan_alternates_its_updates(tmp_path):
     # Rank 1 killed after update 5 (pass 2, its 2nd step), the same command again:
     # update 3's save, both Adams' moments, and the end of the straight run.
     out = tmp_path / "killed"
-    command = [
-        "./run_single.sh",
-        *COMMON,
-        *args,
-        "--batch-size",
-        "4",
-        "--grad-accum",
-        "2",
-    ]
+    args += ["--batch-size", "4", "--grad-accum", "2"]
+    command = ["./run_single.sh", *COMMON, *args, "--output-dir", str(out)]
     kill = {"NPROC_PER_NODE": "2", "TEST_ACT_AT": "1:1:1", "TEST_ACTION": KILL}
-    code, output, _, left = watch([*command, "--output-dir", str(out)], project, kill)
+    code, output, _, left = watch(command, project, kill)
     assert code == 1 and left == [] and "error: rank 1 died (SIGKILL)" in output
-    output = train(project, out, 2, *args, "--batch-size", "4", "--grad-accum", "2")
+    output = train(project, out, 2, *args)
     assert "resumed from" in output
     assert max_difference(final(out), done) < 1e-6
 
@@ -227,7 +221,8 @@ def test_an_ema_is_kept_evaluated_and_saved(tmp_path):
     old = tmp_path / "old"
     train(plain, old, 2, "--epochs", "1", "--lr", "0.05", "--batch-size", "8")
     output = train(project, old, 2, *args, "--batch-size", "8", expect=1)
-    assert error_lines(output) == [
+    line = (
         f"error: {old / 'checkpoint_last.pt'} holds no 'ema', which build_optimizer() "
         "keeps; start afresh with --resume never or another --output-dir"
-    ], output
+    )
+    assert error_lines(output) == [line], output
