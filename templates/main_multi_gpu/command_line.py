@@ -49,50 +49,44 @@ def usage_error(message):
     raise failure(f"error: {message} (see --help)", status=2)
 
 
-def at_least(least, most=math.inf):
-    """An argparse type: a whole number from `least` (to `most`)."""
+def at_least(least, most=math.inf, kind=int, above=False):
+    """An argparse type: a whole number (kind=float: a finite number) from `least`
+    (above=True: above it) to `most`."""
 
     def number(text):
-        value = int(text)
-        if not least <= value <= most:
+        value = kind(text)
+        low = value > least if above else value >= least
+        if not low or value > most or value == math.inf:
+            word = "above" if above else "at least"
             top = "" if most == math.inf else f" and at most {most}"
-            message = f"must be at least {least}{top}, not {value}"
+            shown = value if kind is int else text  # a float as given: 1, not 1.0
+            message = f"must be {word} {least}{top}, not {shown}"
             raise argparse.ArgumentTypeError(message)
         return value
 
-    number.__name__ = "int"  # argparse: "invalid int value: ..."
+    number.__name__ = kind.__name__  # argparse: "invalid int (float) value: ..."
     return number
 
 
-def real(least, above=False):
-    """An argparse type: a finite number of at least `least` (or above it)."""
-
-    def number(text):
-        value = float(text)
-        if not (value > least if above else value >= least) or value == math.inf:
-            word = "above" if above else "at least"
-            raise argparse.ArgumentTypeError(f"must be {word} {least}, not {text}")
-        return value
-
-    number.__name__ = "float"  # argparse: "invalid float value: ..."
-    return number
+def count(least=1):
+    """A count flag's type and metavar: a whole number N of at least `least`."""
+    return {"type": at_least(least), "metavar": "N"}
 
 
 def add_training_arguments(parser):
-    number = {"metavar": "N", "type": at_least(1)}  # a count of at least 1
     parser.add_argument(
-        "--epochs", **number, default=10, help="passes over the training set"
+        "--epochs", **count(), default=10, help="passes over the training set"
     )
     parser.add_argument(
         "--batch-size",
-        **number,
+        **count(),
         default=32,
         help="samples per process and step: the global batch is N x processes x "
         "--grad-accum",
     )
     parser.add_argument(
         "--lr",
-        type=real(0),
+        type=at_least(0, kind=float),
         default=0.1,
         metavar="F",
         help="learning rate (0 trains nothing: a probe of data, evaluation, speed)",
@@ -106,16 +100,15 @@ def add_training_arguments(parser):
     )
     parser.add_argument(
         "--num-workers",
-        type=at_least(0),
+        **count(0),
         default=2,
-        metavar="N",
         help="DataLoader worker processes per training process",
     )
     parser.add_argument(
-        "--train-size", **number, default=2048, help="samples of the built-in data"
+        "--train-size", **count(), default=2048, help="samples of the built-in data"
     )
     parser.add_argument(
-        "--val-size", **number, default=512, help="validation samples of the same"
+        "--val-size", **count(), default=512, help="validation samples of the same"
     )
     parser.add_argument(
         "--output-dir",
@@ -137,8 +130,7 @@ def add_training_arguments(parser):
     )
     parser.add_argument(
         "--grad-accum",
-        type=at_least(1),
-        metavar="N",
+        **count(),
         help="micro-batches per optimizer update (default 1; when resuming, what "
         "keeps the checkpoint's global batch of processes x batch x N)",
     )
@@ -149,7 +141,7 @@ def add_training_arguments(parser):
     )
     parser.add_argument(
         "--clip-grad-norm",
-        type=real(0, above=True),
+        type=at_least(0, kind=float, above=True),
         metavar="F",
         help="clip the gradients' norm to F before each update",
     )
@@ -158,31 +150,27 @@ def add_training_arguments(parser):
 def add_long_run_arguments(parser):
     parser.add_argument(
         "--max-steps",
-        type=at_least(1),
-        metavar="N",
+        **count(),
         help="the run's length in optimizer updates, instead of --epochs: the data "
         "repeats, with a new shuffle each pass, as often as it takes",
     )
     parser.add_argument(
         "--save-every",
-        type=at_least(0),
+        **count(0),
 {% if strategy == "final_only" %}
         default=0,
-        metavar="N",
         help="also write checkpoint_last.pt every N optimizer updates, so that a "
         "crash without a signal loses at most N (0: never; final_only removes it at "
         "the end)",
 {% else %}
         default=1000,
-        metavar="N",
         help="also replace checkpoint_last.pt every N optimizer updates, so that a "
         "crash without a signal loses at most N (0: at the end of each pass only)",
 {% endif %}
     )
     parser.add_argument(
         "--eval-every",
-        type=at_least(1),
-        metavar="N",
+        **count(),
         help="also evaluate every N optimizer updates (a row of metrics.csv each; "
         "default: at the end of each pass and of the run)",
     )
@@ -204,9 +192,8 @@ def add_speed_arguments(parser):
     )
     parser.add_argument(
         "--profile-steps",
-        type=at_least(0),
+        **count(0),
         default=0,
-        metavar="N",
         help="write a torch.profiler trace of N steps of rank 0 to DIR/profile",
     )
     parser.add_argument(
@@ -225,7 +212,7 @@ def add_running_arguments(parser):
     )
     parser.add_argument(
         "--dist-timeout",
-        type=real(0, above=True),
+        type=at_least(0, kind=float, above=True),
         metavar="S",
         default=os.environ.get("DIST_TIMEOUT", "600"),
         help="seconds to wait for the other processes at start-up, and that a process "

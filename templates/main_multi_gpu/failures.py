@@ -4,13 +4,15 @@
 COLLECTIVE_GRACE = 30  # seconds a collective waits beyond twice --dist-timeout
 STOPS = (signal.SIGTERM, signal.SIGINT)  # a scheduler's or a terminal's, and Ctrl-C
 STOP_SIGNAL = None  # the first of STOPS received: stop, save, exit 128 + it
+# stderr is line-buffered (Python 3.9+; unbuffered under -u): a write that ends a
+# line reaches the file at once, before an os._exit too, with no flush.
 
 
 def failure(message, status=1):
     """The exit for a clear error: rank 0 alone prints why, once, and every rank exits
     with `status` (2: an argument that cannot work)."""
     if os.environ.get("RANK", "0") == "0":
-        print(message, file=sys.stderr, flush=True)
+        print(message, file=sys.stderr)
 {% if multi and not spawn %}
     if status == 2 and "ELASTIC_REFUSED" in os.environ:  # no round can go on: the job
         Path(os.environ["ELASTIC_REFUSED"]).touch()  # ends (see elastic_rendezvous)
@@ -40,7 +42,7 @@ def leave(status):
     threading._shutdown()
     atexit._run_exitfuncs()
     sys.stdout.flush()
-    sys.stderr.flush()
+    sys.stderr.flush()  # a line not yet ended
     os._exit(status)
 
 
@@ -230,7 +232,7 @@ class HangWatch:
             )
         head = f"hang: no progress for {self.timeout:g} s (--dist-timeout); where each"
         text = "\n".join([f"{head} rank stood:", *lines, verdict])
-        print(text, file=sys.stderr, flush=True)
+        print(text, file=sys.stderr)
 
 
 WATCH = HangWatch()
@@ -280,14 +282,12 @@ def print_stacks(rank, main_traceback=None, loader_workers=False):
         lines.append(f"thread {names.get(ident, ident)} (most recent call last):")
         lines += "".join(stack).rstrip().splitlines()
     sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in lines))
-    sys.stderr.flush()
     for child in multiprocessing.active_children() if loader_workers else ():
         head = f"[rank {rank}] DataLoader worker {child.pid}:"
         if not handles(child.pid, signal.SIGUSR1):  # the signal would end it
             print(head, "stuck before its first line (no stack)", file=sys.stderr)
             continue
         print(head, file=sys.stderr)
-        sys.stderr.flush()
         with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
             os.kill(child.pid, signal.SIGUSR1)  # faulthandler prints its stack
         time.sleep(0.5)  # before the next one, and before they are stopped
@@ -326,7 +326,7 @@ def report_lost_peer(err):
         line = f"[rank {rank}] elastic: lost a peer in {where} ({reason}); the "
         line += "others go on without it, from the last checkpoint"
 {% endif %}
-    print(line, file=sys.stderr, flush=True)
+    print(line, file=sys.stderr)
 
 
 def quiet_torch_logs(logger, messages):
@@ -339,14 +339,12 @@ def died(rank, signal_name):
     print(
         f"error: rank {rank} died ({signal_name}); the other workers were stopped",
         file=sys.stderr,
-        flush=True,
     )
 
 
 def abort_line():
     """A second Ctrl-C: the workers were killed; say so and exit at once."""
     print("aborted: a second Ctrl-C stopped the workers at once", file=sys.stderr)
-    sys.stderr.flush()
     os._exit(128 + signal.SIGINT)
 
 
