@@ -19,7 +19,12 @@ def main():
     # cpu=True without a GPU, as `accelerate launch --cpu` would set. Without
     # it Accelerate 1.15 under torchrun on CPU silently runs each process alone (no
     # process group, no DDP, every process on the whole dataset).
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    if args.compile or args.no_ddp:
+        raise SystemExit("--compile and --no-ddp: hand-written loop only")
+    accelerator = Accelerator(
+        cpu=not torch.cuda.is_available(),
+        mixed_precision="bf16" if args.amp == "bf16" else "no",
+    )
 
     torch.manual_seed(args.seed)
     project, train_set = common.load_project(args)

@@ -22,6 +22,24 @@ def parse_args():
     parser.add_argument("--seed", type=int, required=True)
     parser.add_argument("--num-workers", type=int, required=True, help="per process")
     parser.add_argument("--val-size", type=int, required=True)
+    parser.add_argument(
+        "--amp",
+        choices=("none", "bf16"),
+        default="none",
+        help="autocast to bfloat16, as the generated project's --amp bf16",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the model before DDP wraps it, as the generated project's "
+        "--compile (hand-written loop only)",
+    )
+    parser.add_argument(
+        "--no-ddp",
+        action="store_true",
+        help="no DDP wrapper, one process only: what DDP costs at world size 1 "
+        "(hand-written loop only)",
+    )
     return parser.parse_args()
 
 
@@ -59,6 +77,11 @@ def gpu_settings(model, device):
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
         model.to(memory_format=torch.channels_last)
     return model
+
+
+def autocast(args, device):
+    """bfloat16 autocast with --amp bf16 (the generated project's), else a no-op."""
+    return torch.autocast(device.type, torch.bfloat16, enabled=args.amp == "bf16")
 
 
 def sgd(model, args):

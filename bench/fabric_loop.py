@@ -18,11 +18,14 @@ import steptimer
 def main():
     args = common.parse_args()
     steptimer.install("fabric")
+    if args.compile or args.no_ddp:
+        raise SystemExit("--compile and --no-ddp: hand-written loop only")
     fabric = Fabric(
         accelerator="cuda" if torch.cuda.is_available() else "cpu",
         devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
         num_nodes=1,
         strategy="ddp",
+        precision="bf16-mixed" if args.amp == "bf16" else "32-true",
     )
     fabric.launch()
 

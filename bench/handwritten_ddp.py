@@ -38,7 +38,13 @@ def main():
         pin_memory=device.type == "cuda",
     )
     model = common.gpu_settings(project.build_model(args).to(device), device)
-    model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
+    if args.compile:  # inside DDP, as the generated project does
+        model = torch.compile(model)
+    if args.no_ddp:  # the same loop without the wrapper (one process)
+        if dist.get_world_size() != 1:
+            raise SystemExit("--no-ddp: one process only")
+    else:
+        model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
     optimizer = common.sgd(model, args)
     warmup = len(loader)  # the generated project's warm-up schedule, for equal maths
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -49,7 +55,8 @@ def main():
     model.train()
     for images, targets in loader:
         images, targets = images.to(device), targets.to(device)
-        loss, _ = project.compute_loss(model, (images, targets))
+        with common.autocast(args, device):
+            loss, _ = project.compute_loss(model, (images, targets))
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

@@ -24,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from gpt import SIZES, make_gpt_project
 from streams import make_stream_project
 
 BENCH = Path(__file__).resolve().parent
@@ -31,6 +32,7 @@ REPO = BENCH.parent
 VENV_PYTHON = BENCH / ".venv" / "bin" / "python"
 CONTENDERS = {  # name: script; the first is what the ratios divide by
     "handwritten": "handwritten_ddp.py",
+    "handwritten_noddp": "handwritten_ddp.py",  # the same without DDP (one process)
     "generated": "generated_entry.py",
     "generated_stream": "generated_entry.py",  # the same, its data as a stream
     "generated_fsdp2": "generated_entry.py",  # the project with parallelism=fsdp2
@@ -86,7 +88,32 @@ def parse_args():
         f"({', '.join(f'{k}={v}' for k, v in MALLOC_ENV.items())}): a control that "
         "leaves only the loops' own differences",
     )
+    parser.add_argument(
+        "--model",
+        choices=("default", *SIZES),
+        default="default",
+        help="default: the generated project's own model and data; else a GPT-2-class "
+        "transformer on random tokens put into a copy of it (gpt.py), for GPUs",
+    )
+    parser.add_argument(
+        "--amp",
+        choices=("none", "bf16"),
+        default="none",
+        help="bf16: every contender autocasts to bfloat16 (the project's --amp bf16)",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the model (the generated projects and the hand-written "
+        "loop only)",
+    )
     parser.add_argument("--timeout", type=float, default=300, help="seconds a run")
+    parser.add_argument(
+        "--grace",
+        type=float,
+        default=60,
+        help="seconds a run may stay up after writing its result (a teardown hang)",
+    )
     parser.add_argument("--workdir", help="logs and outputs (default: a temp folder)")
     parser.add_argument(
         "--results",
@@ -122,6 +149,17 @@ def reexec_in_venv(names):
         f"  python3 -m venv {BENCH / '.venv'}\n"
         f"  {VENV_PYTHON} -m pip install -r {BENCH / 'requirements.txt'}"
     )
+
+
+def refused_options(args, names, nproc):
+    """Why these contenders cannot run with these options, or None."""
+    if args.compile and set(names) & {"accelerate", "fabric"}:
+        return "--compile: the generated projects and the hand-written loop only"
+    if "handwritten_noddp" in names and nproc != 1:
+        return "handwritten_noddp (no DDP) runs on one process only: --nproc 1"
+    if args.model != "default" and "generated_stream" in names:
+        return "--model replaces build_datasets, which generated_stream replaces too"
+    return None
 
 
 def generate_project(template, out_dir, *answers):
@@ -219,6 +257,7 @@ def command_for(name, args, project, nproc, out_dir):
     launcher += [f"--nproc-per-node={nproc}", str(BENCH / CONTENDERS[name])]
     common = [f"--batch-size={args.batch_size}", f"--lr={args.lr}"]
     common += [f"--seed={args.seed}", f"--num-workers={args.num_workers}"]
+    common += [f"--amp={args.amp}"] + (["--compile"] if args.compile else [])
     val_size = args.batch_size * nproc  # one batch a rank (only the project evaluates)
     if name.startswith("generated"):
         train_size = args.steps * args.batch_size * nproc  # one epoch = --steps steps
@@ -243,6 +282,7 @@ def command_for(name, args, project, nproc, out_dir):
         f"--steps={args.steps}",
         f"--val-size={val_size}",
         *common,
+        *(["--no-ddp"] if name == "handwritten_noddp" else []),
     ]
 
 
@@ -277,7 +317,7 @@ def run_one(name, args, project, nproc, workdir, tag, steps):
             cwd=workdir,
             start_new_session=True,  # its own process group, to kill it whole
         )
-        rc, note = wait(job, result_path, args.timeout)
+        rc, note = wait(job, result_path, args.timeout, args.grace)
         wall = time.perf_counter() - start
     busy1, ours1 = cpu_seconds()
     others = max(0.0, (busy1 - busy0) - (ours1 - ours0))
@@ -505,6 +545,7 @@ def render(report):
         f"processes; {cfg['num_workers']} DataLoader workers per process; "
         f"OMP_NUM_THREADS={cfg['omp_num_threads']}"
         + (", and for every contender " + malloc if cfg["malloc_env"] else "")
+        + settings(cfg)
         + ". Ratios: the median over repeats "
         "of the ratio within each repeat. Time to first step: from the launch "
         "(torchrun started) to the end of the first optimizer step on rank 0. "
@@ -538,6 +579,18 @@ def render(report):
     return "\n".join(lines)
 
 
+def settings(cfg):
+    """The model and speed options of a run, where not the defaults."""
+    chosen = []
+    if cfg.get("model", "default") != "default":
+        chosen.append(f"model {cfg['model']} (bench/gpt.py)")
+    if cfg.get("amp", "none") != "none":
+        chosen.append(f"--amp {cfg['amp']}")
+    if cfg.get("compile"):
+        chosen.append("--compile")
+    return "; " + ", ".join(chosen) if chosen else ""
+
+
 def update_readme(path, table):
     path = Path(path)
     text = path.read_text()
@@ -560,6 +613,9 @@ def main():
     if not 1 <= args.warmup_steps < args.steps:
         raise SystemExit("error: need 1 <= --warmup-steps < --steps")
     nproc = args.nproc or torch.cuda.device_count() or 2
+    refused = refused_options(args, names, nproc)
+    if refused:
+        raise SystemExit(f"error: {refused}")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="ddp-bench-"))
     workdir.mkdir(parents=True, exist_ok=True)
     project = Path(args.project) if args.project else None
@@ -574,6 +630,13 @@ def main():
     if "generated_fsdp2" in names:
         fsdp2 = generate_project(args.template, workdir / "fsdp2", "parallelism=fsdp2")
         args.fsdp2_project = str(fsdp2)
+    if args.model != "default":  # the same model and data put into both projects
+        project = make_gpt_project(project, workdir / "gpt", args.model)
+        if args.fsdp2_project:
+            fsdp2 = make_gpt_project(
+                args.fsdp2_project, workdir / "gpt_fsdp2", args.model
+            )
+            args.fsdp2_project = str(fsdp2)
     machine = machine_info(torch, nproc)
     template = None if args.project else template_version(args.template)
     print(f"project {project}\nlogs {workdir}\n{machine['device']}, {machine['cpu']}")
