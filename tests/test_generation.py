@@ -143,15 +143,21 @@ def test_no_function_is_longer_than_a_screen(baked):
 
 def test_the_five_functions_come_first(baked):
     """After the header and the imports, a reader meets the five functions a user
-    edits (and the constant they use) before anything else."""
+    edits (after the constant they use and the recipes' two settings) before
+    anything else."""
     for case in IDS:
         code = (baked[1][case] / "main_multi_gpu.py").read_text()
         body = ast.parse(code).body
         imports = [n for n in body if isinstance(n, (ast.Import, ast.ImportFrom))]
         rest = body[body.index(imports[-1]) + 1 :]
-        first = [n.name for n in rest[1:6] if isinstance(n, ast.FunctionDef)]
-        assert ast.unparse(rest[0]) == "NUM_CLASSES = 10", case
-        assert first == list(USER_FUNCTIONS), case
+        settings = ["NUM_CLASSES = 10", "FIND_UNUSED_PARAMETERS = False"]
+        settings = settings[: 1 if "parallelism:fsdp2" in case else 2]
+        settings.append("ALTERNATE = False")  # DDP's option is not FSDP2's
+        five = rest[len(settings) : len(settings) + 5]
+        assert [ast.unparse(n) for n in rest[: len(settings)]] == settings, case
+        assert [n.name for n in five if isinstance(n, ast.FunctionDef)] == list(
+            USER_FUNCTIONS
+        ), case
         assert code.index("# EDIT HERE") < code.index("\ndef build_datasets(")
 
 

@@ -159,7 +159,7 @@ def build_model(args):
     return nn.Sequential(nn.Flatten(), nn.Linear(768, 2048), *blocks, nn.Linear(2048, 10))
 """
 MODEL_MIB = (24 * 2048 * 2049 + 768 * 2048 + 2048 + 2048 * 10 + 10) * 4 / 2**20
-BUILD = "    sharded = build_sharded(args, device)  # DDP change 3 (FSDP2), before the optimizer\n"
+BUILD = "    t.sharded = t.evaluated = build_sharded(args, device)\n"
 # Each rank writes its resident memory before the build and its peak after (bytes),
 # and stops: the build is what this measures.
 MEASURED_BUILD = f"""    import resource

@@ -226,3 +226,18 @@ def test_an_ema_is_kept_evaluated_and_saved(tmp_path):
         "keeps; start afresh with --resume never or another --output-dir"
     )
     assert error_lines(output) == [line], output
+
+
+def test_a_gan_under_fsdp2_and_fp16(tmp_path):
+    """The same GAN sharded with FSDP2 (2 x 4 equals 1 x 8; the generator is sharded on
+    its own, the discriminator stays in the root), and under --amp fp16, whose loss
+    scaling each turn applies on its own: it trains close to the float32 run."""
+    project = gan(tmp_path, parallelism="fsdp2")
+    train(project, tmp_path / "w2", 2, *GAN_ARGS, "--batch-size", "4")
+    train(project, tmp_path / "w1", 1, *GAN_ARGS, "--batch-size", "8")
+    done = final(tmp_path / "w2")
+    assert max_difference(done, final(tmp_path / "w1")) < 1e-5
+    fp16 = tmp_path / "fp16"
+    train(project, fp16, 2, *GAN_ARGS, "--batch-size", "4", "--amp", "fp16")
+    moved = max_difference(done, start_weights(project))
+    assert max_difference(final(fp16), done) < 0.1 * moved

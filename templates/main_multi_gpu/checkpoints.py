@@ -9,7 +9,7 @@ def snapshot(t, at):
     return {
 {{ saving.snapshot_tensors() }}
         "scheduler": packed({k: s and s.state_dict() for k, s in t.schedulers.items()}),
-        "kept": {name: thing.state_dict() for name, (thing, _) in t.kept.items()},
+        "kept": {name: thing.state_dict() for name, (thing, _) in KEPT.items()},
         "scaler": t.scaler.state_dict(),
         "epoch": at.epoch,  # passes done
         "epoch_samples": at.samples,  # of the pass under way, over all ranks
@@ -222,7 +222,7 @@ def resume(t, checkpoint, out_dir):
             for name, groups in param_groups(t).items()
         }
 {{ saving.resume_tensors() }}
-        for name, (thing, _) in t.kept.items():
+        for name, (thing, _) in KEPT.items():
             if name not in checkpoint.get("kept", {}):
                 raise failure(
                     f"error: {checkpoint['path']} holds no {name!r}, which "

@@ -18,24 +18,23 @@ def datasets(args):
 
 def build_training(args, device, checkpoint):
 {{ par.build_training_doc() }}
-    world_size = dist.get_world_size()
-    settle_global_batch(args, checkpoint, world_size)
+    settle_global_batch(args, checkpoint, dist.get_world_size())
     torch.manual_seed(args.seed)  # reproducible initial weights and data
+    t = Training(args, device)
     train_set, val_set = datasets(args)
-    train_data, train_loader, val_loader = build_loaders(
-        train_set, val_set, args, device
-    )
-    steps_per_pass = pass_steps(train_set, train_loader, args)
-    if args.max_steps:
-        total_updates = args.max_steps
-    elif steps_per_pass is None:
+    loaders = build_loaders(train_set, val_set, args, device)
+    t.train_data, t.train_loader, t.val_loader = loaders
+    t.steps_per_pass = pass_steps(train_set, t.train_loader, args)
+    if not (args.max_steps or t.steps_per_pass):
         raise failure(
             "error: build_datasets() returned a training stream without a length: "
             "give the run's length in optimizer updates, --max-steps N",
             status=2,
         )
-    else:
-        total_updates = args.epochs * math.ceil(steps_per_pass / args.grad_accum)
+    epochs = args.epochs * math.ceil((t.steps_per_pass or 0) / args.grad_accum)
+    t.total_updates = args.max_steps or epochs  # updates in the whole run
+    # float16 needs loss scaling against underflowing gradients; otherwise a no-op.
+    t.scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
 {{ par.wrap_model() }}
 
 

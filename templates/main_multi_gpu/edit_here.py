@@ -4,7 +4,9 @@
 # --------------------------------------------------------------------------------------
 NUM_CLASSES = 10
 # Recipes (the README's "Recipes" shows each): switch these on where yours needs them.
+{% if not fsdp %}
 FIND_UNUSED_PARAMETERS = False  # True: a step may leave parameters out of its loss
+{% endif %}
 ALTERNATE = False  # True: build_optimizer's optimizers take turns, each on its own loss
 
 

@@ -180,23 +180,22 @@ class Training:
     args: argparse.Namespace
     device: torch.device
 {{ par.training_fields() }}
-    evaluated: nn.Module  # the model, or what keep(..., evaluate=) named
-    optimizers: dict  # name -> optimizer (the name "" for build_optimizer's one)
-    schedulers: dict  # name -> its LR scheduler, or None
-    kept: dict  # name -> what keep() declared, and the module it evaluates or None
-    scaler: torch.amp.GradScaler
-    train_data: object  # what places a pass: a ResumableSampler, or a StreamShard
-    train_loader: DataLoader
-    val_loader: DataLoader
-    steps_per_pass: int  # micro-batches per pass and rank (None: a stream's, unknown)
-    total_updates: int  # optimizer updates in the whole run
+    evaluated: nn.Module = None  # the model, or what keep(..., evaluate=) named
+    optimizers: dict = None  # name -> optimizer ("" for build_optimizer's one)
+    schedulers: dict = None  # name -> its LR scheduler, or None
+    scaler: torch.amp.GradScaler = None
+    train_data: object = None  # what places a pass: ResumableSampler, StreamShard
+    train_loader: DataLoader = None
+    val_loader: DataLoader = None
+    steps_per_pass: int = None  # micro-batches per pass and rank (None: unknown)
+    total_updates: int = None  # optimizer updates in the whole run
     sums: object = None  # the LossSums of the training since the last evaluation
 {% if strategy == "best" %}
     best_val_loss: float = math.inf
 {% endif %}
 
 
-KEPT = {}  # keep()'s declarations, as Training.kept has them
+KEPT = {}  # what keep() declared: name -> (thing, the module it evaluates or None)
 
 
 def keep(name, thing, evaluate=None):
@@ -243,7 +242,7 @@ def train(args, device):
             if train_pass(t, at, reports):  # a stop signal: saved, so stop
                 return stopped(last_path, at, args.batch_size)
 {{ saving.final_weights() }}
-    evaluated = {name: e.state_dict() for name, (_, e) in t.kept.items() if e}
+    evaluated = {name: e.state_dict() for name, (_, e) in KEPT.items() if e}
     by_rank_0(device, save_final, weights, evaluated, out_dir, args.tensorboard)
     return 0
 

@@ -43,8 +43,8 @@ CHANNELS_LAST = True  # on GPUs, 2-D convolutions in NHWC: faster
 {%- endmacro %}
 
 {% macro training_fields() %}
-    model: nn.Module  # the plain model: saved (DDP change 4), and evaluated
-    ddp_model: DDP  # the same parameters in the DDP wrapper: trained (DDP change 3)
+    model: nn.Module = None  # the plain model: saved (DDP change 4), and evaluated
+    ddp_model: DDP = None  # the same parameters in the DDP wrapper: trained (change 3)
 {%- endmacro %}
 
 {% macro train_step() %}
@@ -73,11 +73,11 @@ CHANNELS_LAST = True  # on GPUs, 2-D convolutions in NHWC: faster
 {%- endmacro %}
 
 {% macro wrap_model() %}
-    model = build_model(args)
+    t.model = model = build_model(args)
 {% if cookiecutter.sync_bn %}
     if device.type == "cuda":
         # DDP change 3a: BatchNorm statistics over the global batch, not per rank.
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        t.model = model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     else:
         print0(
             "warning: SyncBatchNorm runs on GPUs only; training with BatchNorm on CPU",
@@ -89,14 +89,14 @@ CHANNELS_LAST = True  # on GPUs, 2-D convolutions in NHWC: faster
     flat = all(p.dim() < 5 for p in model.parameters())
     nhwc = CHANNELS_LAST and device.type == "cuda" and flat
     model.to(device, memory_format=torch.channels_last if nhwc else None)
-    optimizers, schedulers = named(build_optimizer(model, args, total_updates))
+    t.optimizers, t.schedulers = named(build_optimizer(model, args, t.total_updates))
 
     # DDP change 3: wrap the model. Its backward pass averages gradients over all ranks,
     # so every replica takes the same optimizer step. Train through ddp_model; save
     # and evaluate the plain model, whose parameters ddp_model trains.
     # torch.compile inside DDP: the compiled graph is split at DDP's gradient buckets,
     # so the all-reduce still overlaps with the backward pass.
-    ddp_model = DDP(
+    t.ddp_model = DDP(
         Step(torch.compile(model) if args.compile else model),
         device_ids=[device.index] if device.type == "cuda" else None,
         gradient_as_bucket_view=True,
@@ -107,24 +107,8 @@ CHANNELS_LAST = True  # on GPUs, 2-D convolutions in NHWC: faster
     )
     # What evaluation, --evaluate and the final weights use: the model, or what
     # build_optimizer() named with keep(..., evaluate=) (an EMA's average).
-    evaluated = next((e for _, e in KEPT.values() if e is not None), model)
-    return Training(
-        args,
-        device,
-        model,
-        ddp_model,
-        evaluated,
-        optimizers,
-        schedulers,
-        dict(KEPT),
-        # float16 needs loss scaling against underflowing gradients; else a no-op.
-        torch.amp.GradScaler(device.type, enabled=args.amp == "fp16"),
-        train_data,
-        train_loader,
-        val_loader,
-        steps_per_pass,
-        total_updates,
-    )
+    t.evaluated = next((e for _, e in KEPT.values() if e is not None), model)
+    return t
 
 
 def check_reduced(ddp_model):

@@ -46,9 +46,9 @@ RANK_0_WRITES_REPLICAS = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
 {%- endmacro %}
 
 {% macro training_fields() %}
-    model: nn.Module  # sharded over the ranks (DDP change 3): saved
-    sharded: nn.Module  # it in a Step, the root of the sharding
-    train_model: nn.Module  # the same, compiled with --compile: trained
+    model: nn.Module = None  # sharded over the ranks (DDP change 3): saved
+    sharded: nn.Module = None  # it in a Step, the root of the sharding
+    train_model: nn.Module = None  # the same, compiled with --compile: trained
 {%- endmacro %}
 
 {% macro train_step() %}
@@ -73,29 +73,15 @@ RANK_0_WRITES_REPLICAS = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
 {%- endmacro %}
 
 {% macro wrap_model() %}
-    sharded = build_sharded(args, device)  # DDP change 3 (FSDP2), before the optimizer
-    model = sharded.model
-    optimizers, schedulers = named(build_optimizer(model, args, total_updates))
+    # DDP change 3 (FSDP2), before the optimizer; evaluated through the root, which
+    # gathers its own parameters.
+    t.sharded = t.evaluated = build_sharded(args, device)
+    t.train_model = torch.compile(t.sharded) if args.compile else t.sharded
+    t.model = t.sharded.model
+    t.optimizers, t.schedulers = named(build_optimizer(t.model, args, t.total_updates))
     if any(evaluate is not None for _, evaluate in KEPT.values()):
         raise failure("error: keep(..., evaluate=) needs parallelism=ddp", status=2)
-    return Training(
-        args,
-        device,
-        model,
-        sharded,
-        torch.compile(sharded) if args.compile else sharded,
-        sharded,  # evaluated through the root, which gathers its own parameters
-        optimizers,
-        schedulers,
-        dict(KEPT),
-        # float16 needs loss scaling against underflowing gradients; else a no-op.
-        torch.amp.GradScaler(device.type, enabled=args.amp == "fp16"),
-        train_data,
-        train_loader,
-        val_loader,
-        steps_per_pass,
-        total_updates,
-    )
+    return t
 
 
 def build_sharded(args, device):
