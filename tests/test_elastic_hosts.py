@@ -208,7 +208,7 @@ def test_a_lost_host_leaves_the_others_training_to_the_same_end(
     assert "Traceback" not in output
     if how == "killed":
         for rank in (0, 1):
-            line = f"[rank {rank}] elastic: lost a peer in train_pass, line "
+            line = f"[rank {rank}] elastic: lost a peer in backward, line "
             assert output.count(line) == 1, output
             assert f"Connection closed by peer [{three[2][1]}]" in output
         assert "[rank 0] thread" not in output  # no stacks

@@ -111,6 +111,12 @@ def check_outputs(project, answers, out_dir, result):
         losses = [float(row["val_loss"]) for row in rows]
         assert best["epoch"] == 1 + losses.index(min(losses))
         assert best["best_val_loss"] == pytest.approx(min(losses), abs=1e-6)
+        # A line for each new best: the first evaluation, then every improvement.
+        better = [
+            loss < min(losses[:i], default=math.inf) for i, loss in enumerate(losses)
+        ]
+        saving = f"best val_loss so far: saving checkpoint_best{ext}\n"
+        assert log.count(saving) == sum(better) > 0, log
 
     # Rank 0 alone prints, and ends with one line saying where the results are.
     done = (

@@ -19,7 +19,7 @@
 {% endif %}
 # Gloo and NCCL are told to use the network interface that reaches MASTER_ADDR; to
 # choose another, set GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME (e.g. eth0) yourself.
-# Any arguments are passed to main_multi_gpu.py (see ./main_multi_gpu.py --help).
+# Any arguments are passed to main_multi_gpu.py (see python main_multi_gpu.py --help).
 # Exit status: 0 when done; 2 for an argument that cannot work (nothing started);
 # 130 after Ctrl-C and 143 after SIGTERM (a checkpoint was saved); 1 for a failure.
 set -euo pipefail

@@ -6,7 +6,7 @@
 #   MAX_RESTARTS=3 ./run_single.sh       # restart all workers (from the last
 #                                        # checkpoint) when one fails
 {% endif %}
-# Any arguments are passed to main_multi_gpu.py (see ./main_multi_gpu.py --help).
+# Any arguments are passed to main_multi_gpu.py (see python main_multi_gpu.py --help).
 # Exit status: 0 when done; 2 for an argument that cannot work (nothing started);
 # 130 after Ctrl-C and 143 after SIGTERM (a checkpoint was saved); 1 for a failure.
 set -euo pipefail

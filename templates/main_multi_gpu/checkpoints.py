@@ -217,10 +217,7 @@ def resume(t, checkpoint, out_dir):
                 f"than build_optimizer() makes{advice}"
             )
         # This run's optimizer settings, before the checkpoint's replace them.
-        fresh = {
-            name: [{k: v for k, v in g.items() if k != "params"} for g in groups]
-            for name, groups in param_groups(t).items()
-        }
+        fresh = {n: [dict(g) for g in o.param_groups] for n, o in t.optimizers.items()}
 {{ saving.resume_tensors() }}
         for name, (thing, _) in KEPT.items():
             if name not in checkpoint.get("kept", {}):
@@ -231,12 +228,8 @@ def resume(t, checkpoint, out_dir):
             thing.load_state_dict(checkpoint["kept"][name])
         if checkpoint["scaler"]:  # empty when it was saved without --amp fp16
             t.scaler.load_state_dict(checkpoint["scaler"])
-        at = Position(
-            checkpoint["epoch"],
-            checkpoint["epoch_samples"],
-            checkpoint["step"],
-            checkpoint["stream"],
-        )
+        at = Position(*(checkpoint[k] for k in ("epoch", "epoch_samples", "step")))
+        at.stream = checkpoint["stream"]
         carried = tuple(checkpoint["train_sums"])  # over all ranks: rank 0 adds them
 {% if strategy == "best" %}
         t.best_val_loss = checkpoint.get("best_val_loss", math.inf)
@@ -299,15 +292,15 @@ def restore_schedule(t, checkpoint, done, fresh):
                 t.schedulers[name].load_state_dict(state)
         return
     # Keep the optimizers' statistics (momentum, Adam moments); take the new settings.
-    for name, groups in param_groups(t).items():
-        for group, settings in zip(groups, fresh[name], strict=True):
+    for name, optimizer in t.optimizers.items():
+        for group, settings in zip(optimizer.param_groups, fresh[name], strict=True):
             group.update(settings)
     with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()"
         warnings.simplefilter("ignore")
         for scheduler in schedulers.values():
             for _ in range(min(done, t.total_updates)):
                 scheduler.step()
-    lr = next(iter(param_groups(t).values()))[0]["lr"]
+    lr = next(iter(t.optimizers.values())).param_groups[0]["lr"]
     print0(
         f"resume: the LR schedule is rebuilt for --lr {args.lr}, {t.total_updates} "
         f"updates of {global_batch} samples (the checkpoint's: --lr {saved['lr']}, "
@@ -316,29 +309,21 @@ def restore_schedule(t, checkpoint, done, fresh):
 
 
 def same_optimizer(t, checkpoint):
-    """Whether the checkpoint's optimizer and scheduler are of the kinds
-    build_optimizer() makes: the same settings, parameter groups and state names."""
+    """Whether the checkpoint's optimizers and schedulers are of the kinds
+    build_optimizer() makes: the same names, settings, parameter groups and state
+    names."""
 
-    def shape(groups):
-        return [(sorted(group), len(group["params"])) for group in groups]
+    def shape(state):  # an optimizer's or a scheduler's state_dict, or None
+        if isinstance(state, dict) and "param_groups" in state:
+            return [(sorted(g), len(g["params"])) for g in state["param_groups"]]
+        return sorted(state) if isinstance(state, dict) else state
 
-    optimizers = unpacked(t, checkpoint["optimizer"])
-    schedulers = unpacked(t, checkpoint["scheduler"])
-    if not (optimizers.keys() == schedulers.keys() == t.optimizers.keys()):
-        return False
-    for name, optimizer in t.optimizers.items():
-        saved, scheduler = schedulers[name], t.schedulers[name]
-        groups = shape(optimizers[name]["param_groups"])
-        if groups != shape(optimizer.state_dict()["param_groups"]):
-            return False
-        if (saved is None) != (scheduler is None):
-            return False
-        if scheduler and sorted(saved) != sorted(scheduler.state_dict()):
-            return False
-    return True
+    def shapes(states):  # by name
+        return isinstance(states, dict) and {k: shape(s) for k, s in states.items()}
 
-
-def param_groups(t):
-    return {name: optimizer.param_groups for name, optimizer in t.optimizers.items()}
+    made = (t.optimizers, t.schedulers)
+    ours = [{k: x and x.state_dict() for k, x in d.items()} for d in made]
+    saved = [unpacked(t, checkpoint[key]) for key in ("optimizer", "scheduler")]
+    return list(map(shapes, ours)) == list(map(shapes, saved))
 
 

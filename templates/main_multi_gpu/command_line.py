@@ -104,6 +104,7 @@ def add_training_arguments(parser):
         default=2,
         help="DataLoader worker processes per training process",
     )
+    # The built-in data's sizes: once build_datasets is yours, delete them.
     parser.add_argument(
         "--train-size", **count(), default=2048, help="samples of the built-in data"
     )

@@ -20,11 +20,22 @@ def build_training(args, device, checkpoint):
 {{ par.build_training_doc() }}
     settle_global_batch(args, checkpoint, dist.get_world_size())
     torch.manual_seed(args.seed)  # reproducible initial weights and data
-    t = Training(args, device)
+{% if strategy == "best" %}
+    t = Training(args=args, device=device, best_val_loss=math.inf)
+{% else %}
+    t = Training(args=args, device=device)
+{% endif %}
     train_set, val_set = datasets(args)
     loaders = build_loaders(train_set, val_set, args, device)
     t.train_data, t.train_loader, t.val_loader = loaders
     t.steps_per_pass = pass_steps(train_set, t.train_loader, args)
+    global_batch = dist.get_world_size() * args.batch_size * args.grad_accum
+    if isinstance(train_set, Sized) and len(train_set) < global_batch:
+        print0(
+            f"warning: the global batch ({global_batch}) is larger than the training "
+            f"set ({len(train_set)} samples): one update a pass",
+            file=sys.stderr,
+        )
     if not (args.max_steps or t.steps_per_pass):
         raise failure(
             "error: build_datasets() returned a training stream without a length: "

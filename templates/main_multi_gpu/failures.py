@@ -144,14 +144,11 @@ class HangWatch:
         self.beats += 1
 
     def start(self, store, timeout):
-        self.store, self.timeout = store, timeout
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self.store, self.timeout = dist.PrefixStore(f"hang/{restart}", store), timeout
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.prefix = f"hang/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
         self.thread = threading.Thread(target=self.watch, name="watch", daemon=True)
         self.thread.start()
-
-    def key(self, name):
-        return self.prefix + name
 
     def stop(self):
         self.done.set()
@@ -175,8 +172,8 @@ class HangWatch:
             if now != last:
                 last, since = now, time.monotonic()
             elif time.monotonic() - since > self.timeout:
-                self.store.set(self.key("declared"), str(self.rank))
-            if self.store.check([self.key("declared")]):
+                self.store.set("declared", str(self.rank))
+            if self.store.check(["declared"]):
                 return self.report()
 
     def report(self):
@@ -186,21 +183,21 @@ class HangWatch:
         where, kind = locate(main_frame())
         print_stacks(self.rank, loader_workers=kind == LOADER)
         try:
-            self.store.set(self.key(f"where/{self.rank}"), f"{kind}\t{where}")
+            self.store.set(f"where/{self.rank}", f"{kind}\t{where}")
             self.count("reported", 1)
             if self.rank == 0:
                 self.wait_for(lambda: self.count("reported") == self.world_size)
                 self.summarize()
-                self.store.set(self.key("summarized"), "1")
+                self.store.set("summarized", "1")
                 self.wait_for(lambda: self.count("left") == self.world_size - 1, 5)
             else:
-                self.wait_for(lambda: self.store.check([self.key("summarized")]), 15)
+                self.wait_for(lambda: self.store.check(["summarized"]), 15)
                 self.count("left", 1)
         finally:
             stop_now(1)
 
     def count(self, name, add=0):
-        return self.store.add(self.key(name), add)
+        return self.store.add(name, add)
 
     def wait_for(self, done, seconds=10):
         deadline = time.monotonic() + seconds
@@ -211,7 +208,7 @@ class HangWatch:
         """Where each rank stood, and which one the others are waiting for."""
         lines, stuck = [], []
         for rank in range(self.world_size):
-            key = self.key(f"where/{rank}")
+            key = f"where/{rank}"
             if not self.store.check([key]):
                 lines.append(f"  rank {rank}: no answer (its Python is blocked)")
                 continue
@@ -261,7 +258,9 @@ def locate(frame):
 
 
 def in_this_file(entry):
-    return os.path.realpath(entry.filename) == os.path.realpath(__file__)
+    """Whether a traceback entry, code object or path is of this file."""
+    path = getattr(entry, "filename", getattr(entry, "co_filename", entry))
+    return os.path.realpath(path) == os.path.realpath(__file__)
 
 
 def print_stacks(rank, main_traceback=None, loader_workers=False):
@@ -306,8 +305,12 @@ def handles(pid, signum):
 
 
 def report_lost_peer(err):
-    """This rank's stack, and one line: where it was, and what broke."""
+    """This rank's stack, and one line: where it was, and what broke (nothing where
+    another rank raised an error: its report says it)."""
     rank = dist.get_rank()
+    with contextlib.suppress(dist.DistError):  # the store may have gone with its host
+        if WATCH.count("raised"):
+            return
 {% if multi and not spawn %}
     elastic = "ELASTIC_ROUND" in os.environ  # NNODES=MIN:MAX: torchrun goes on
     if not elastic:
@@ -327,6 +330,47 @@ def report_lost_peer(err):
         line += "others go on without it, from the last checkpoint"
 {% endif %}
     print(line, file=sys.stderr)
+
+
+def report_error(err):
+    """An exception this rank raised: the first rank to raise one prints its traceback,
+    from the first frame of the edit zone on, then one line naming the rank, the
+    function and the line; other ranks that raise one are counted, not repeated."""
+    raised = 1
+    with contextlib.suppress(dist.DistError):  # the store may have gone with its host
+        if WATCH.count("raised", 1) > 1:
+            return
+        WATCH.wait_for(lambda: WATCH.count("raised") == WATCH.world_size, 1)
+        raised = WATCH.count("raised")
+    tb, yours = err.__traceback__, run.__code__.co_firstlineno  # the edit zone ends
+    while tb and not (in_this_file(tb.tb_frame.f_code) and tb.tb_lineno < yours):
+        tb = tb.tb_next  # this file's frames above yours, and torch's between
+    text = "".join(traceback.format_exception(type(err), err, tb or err.__traceback__))
+    # This file's frames, with those in a DataLoader worker's traceback (the text).
+    frames = re.findall(r'File "(.+)", line (\d+), in (\S+)', text)
+    ours = [(int(n), name) for path, n, name in frames if in_this_file(path)]
+    line, name = ([p for p in ours if p[0] < yours] or ours or [(0, "?")])[-1]
+    why = (str(err).strip().splitlines() or [""])[0]
+    also = f"; {raised} of {dist.get_world_size()} ranks failed" if raised > 1 else ""
+    text += f"[rank {dist.get_rank()}] error: {type(err).__name__} in {name}, line "
+    print(f"{text}{line}: {why} (the traceback above{also})", file=sys.stderr)
+
+
+def returned(function, value, expected):
+    """The error for a value one of the five functions returned that cannot work."""
+    message = f"error: {function} returned {shown(value)}; it must return {expected}"
+    return failure(message)
+
+
+def shown(value):
+    """A value as an error line describes it: its kind, and a tensor's shape."""
+    if torch.is_tensor(value):
+        return f"a tensor of shape {tuple(value.shape)}"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k!r}: {shown(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (tuple, list)):
+        return "(" + ", ".join(map(shown, value)) + ")"
+    return f"a {type(value).__name__}"
 
 
 def quiet_torch_logs(logger, messages):

@@ -21,9 +21,7 @@ import math
 import multiprocessing
 import os
 import pickle
-{% if not fsdp %}
 import re
-{% endif %}
 import select
 {% if not spawn %}
 import shlex
@@ -35,6 +33,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 import warnings
 from collections.abc import Mapping, Sized
 from dataclasses import dataclass

@@ -1,38 +1,54 @@
 # --------------------------------------------------------------------------------------
 # Reports: progress, metrics.csv, the time per epoch, plots, preflight
 # --------------------------------------------------------------------------------------
-class Reports:
+class Reports(contextlib.ExitStack):
     """Everything a run reports besides the training itself: the progress bar, where
     the time goes, the profiler, metrics.csv, TensorBoard and the line per
-    evaluation. Every rank times its own steps; rank 0 alone shows and writes."""
+    evaluation. Every rank times its own steps; rank 0 alone shows and writes. What
+    it starts ends with the `with` block (an ExitStack)."""
 
     def __init__(self, t, out_dir):
+        super().__init__()
         self.t, self.out_dir = t, out_dir
         self.is_main = dist.get_rank() == 0
         self.progress = self.profiler = self.writer = None
         self.start_interval()
+        # Every optimizer's steps are timed by hooks: the loop carries no timing code.
+        for optimizer in t.optimizers.values():
+            self.callback(optimizer.register_step_pre_hook(self.began).remove)
+            self.callback(optimizer.register_step_post_hook(self.ended).remove)
+{% if fsdp %}
+        self.memory_shown = False
+        self.callback(optimizer.register_step_post_hook(self.show_memory).remove)
+{% endif %}
         if t.args.tensorboard:
             try:
-                import torch.utils.tensorboard  # noqa: F401 (optional: imported here)
+                from torch.utils.tensorboard import SummaryWriter
             except ImportError as err:
                 raise failure(
                     "error: --tensorboard needs TensorBoard: pip install tensorboard"
                 ) from err
+            if self.is_main:
+                self.writer = SummaryWriter(out_dir / "tensorboard")
+                self.callback(self.writer.close)
+        if self.is_main and t.args.profile_steps:  # its trace is written as it stops
+            self.profiler = self.enter_context(
+                torch.profiler.profile(
+                    schedule=torch.profiler.schedule(
+                        wait=1, warmup=1, active=t.args.profile_steps, repeat=1
+                    ),
+                    on_trace_ready=torch.profiler.tensorboard_trace_handler(
+                        str(out_dir / "profile")
+                    ),
+                )
+            )
 
-        # Every optimizer's steps are timed by hooks: the loop carries no timing code.
-        def begin(*_):
-            self.began = self.mark()
+    def began(self, *_):
+        self.step_began = self.mark()
 
-        def end(*_):
-            self.updates.append((self.began, self.mark()))
-
-        self.hooks = []
-        for optimizer in t.optimizers.values():
-            self.hooks.append(optimizer.register_step_pre_hook(begin))
-            self.hooks.append(optimizer.register_step_post_hook(end))
+    def ended(self, *_):
+        self.updates.append((self.step_began, self.mark()))
 {% if fsdp %}
-        self.memory_shown = False
-        self.hooks.append(optimizer.register_step_post_hook(self.show_memory))
 
     def show_memory(self, optimizer, *_):
         """FSDP2, after the first update (the optimizer's state exists from then on):
@@ -53,32 +69,6 @@ class Reports:
             )
         print0(line)
 {% endif %}
-
-    def __enter__(self):
-        args = self.t.args
-        if self.is_main and args.profile_steps:
-            self.profiler = torch.profiler.profile(
-                schedule=torch.profiler.schedule(
-                    wait=1, warmup=1, active=args.profile_steps, repeat=1
-                ),
-                on_trace_ready=torch.profiler.tensorboard_trace_handler(
-                    str(self.out_dir / "profile")
-                ),
-            )
-            self.profiler.start()
-        if self.is_main and args.tensorboard:
-            self.writer = torch.utils.tensorboard.SummaryWriter(
-                self.out_dir / "tensorboard"
-            )
-        return self
-
-    def __exit__(self, *exc):
-        for hook in self.hooks:  # they refer to self: let the training state go
-            hook.remove()
-        if self.profiler:
-            self.profiler.stop()  # writes the trace if the run had fewer steps
-        if self.writer:
-            self.writer.close()
 
     def mark(self):
         """A point in time; on GPU, an event queued on the stream: no wait for it."""

@@ -40,7 +40,11 @@ class Step(nn.Module):
 
     def forward(self, batch, real, turn):
         """compute_loss's (loss, n) for one micro-batch, and units x n."""
-        loss, n = compute_loss(self.model, batch, *turn)
+        out = compute_loss(self.model, batch, *turn)
+        loss, n = out if isinstance(out, tuple) and len(out) == 2 else (None, 0)
+        if not (torch.is_tensor(loss) and loss.dim() == 0):
+            expected = "(loss, n): the mean loss over n units, a tensor of shape ()"
+            raise returned("compute_loss", out, expected)
         n = n if real else 0  # a stand-in batch at a stream's end weighs nothing
         return loss, n, self.units.sum() * n
 {% if fsdp %}
@@ -164,6 +168,11 @@ def evaluate(model, loader, device):
     model.eval()
     sums = {}  # name -> float64 [sum, n] on the device
 {{ par.evaluate_batches() }}
+        ok = isinstance(metrics, Mapping) and "loss" in metrics
+        ok = ok and all(type(p) is tuple and len(p) == 2 for p in metrics.values())
+        if not ok:
+            raise returned("compute_metrics", metrics, "{'loss': (sum, n), ...}")
+        for name, (total, n) in metrics.items():
             if name not in sums:
                 sums[name] = torch.zeros(2, dtype=torch.float64, device=device)
             sums[name][0] += total
@@ -174,8 +183,6 @@ def evaluate(model, loader, device):
     names = broadcast_bytes("\n".join(sums).encode(), device).decode().split("\n")
     if names == [""]:
         raise failure("error: build_datasets() returned an empty validation stream")
-    if "loss" not in names:
-        raise failure("error: compute_metrics must return a 'loss' entry")
     zero = torch.zeros(2, dtype=torch.float64, device=device)
     totals = torch.stack([sums.get(name, zero) for name in names])
     dist.all_reduce(totals)  # sum over ranks

@@ -38,12 +38,13 @@ def run(args):
         else:
             status = train(args, device)
         dist.barrier()  # everyone finishes together, after rank 0's last save
-    except RuntimeError as err:
+    except Exception as err:  # noqa: BLE001 (each is reported, in its own way)
         if WATCH.reporting:  # a hang report ends the ranks and their workers: finish it
             WATCH.thread.join()
-        if not (isinstance(err, dist.DistError) or any(s in str(err) for s in LOST)):
-            raise  # its traceback now: destroy_process_group() could wait (NCCL)
-        report_lost_peer(err)
+        if isinstance(err, dist.DistError) or any(s in str(err) for s in LOST):
+            report_lost_peer(err)
+        else:  # an error raised here, in your code as a rule
+            report_error(err)
         return 1  # and no destroy_process_group(): it would wait for the lost rank
     except SystemExit as stop:  # failure(): rank 0 has said why
         status = stop.code
@@ -173,26 +174,23 @@ def print0(*args, **kwargs):
         print(*args, **kwargs, flush=True)
 
 
-@dataclass
-class Training:
-    """What the loop works with, built once by build_training()."""
-
-    args: argparse.Namespace
-    device: torch.device
+class Training(types.SimpleNamespace):
+    """What the loop works with, built by build_training(), as t.NAME:
+    - args, device: the command line; this process's device
 {{ par.training_fields() }}
-    evaluated: nn.Module = None  # the model, or what keep(..., evaluate=) named
-    optimizers: dict = None  # name -> optimizer ("" for build_optimizer's one)
-    schedulers: dict = None  # name -> its LR scheduler, or None
-    scaler: torch.amp.GradScaler = None
-    train_data: object = None  # what places a pass: ResumableSampler, StreamShard
-    train_loader: DataLoader = None
-    val_loader: DataLoader = None
-    steps_per_pass: int = None  # micro-batches per pass and rank (None: unknown)
-    total_updates: int = None  # optimizer updates in the whole run
-    sums: object = None  # the LossSums of the training since the last evaluation
+    - evaluated: the model, or what keep(..., evaluate=) named instead
+    - optimizers, schedulers: {name: optimizer}, {name: its LR scheduler or None};
+      build_optimizer()'s one is named ""
+    - scaler: --amp fp16's loss scaler (otherwise it does nothing)
+    - train_data: what places a pass: a ResumableSampler, or a StreamShard
+    - train_loader, val_loader: the DataLoaders
+    - steps_per_pass: micro-batches per pass and rank (None: a stream's, unknown)
+    - total_updates: optimizer updates in the whole run
+    - sums: the LossSums of the training since the last evaluation
 {% if strategy == "best" %}
-    best_val_loss: float = math.inf
+    - best_val_loss: the lowest validation loss so far
 {% endif %}
+    """
 
 
 KEPT = {}  # what keep() declared: name -> (thing, the module it evaluates or None)
@@ -211,11 +209,6 @@ def named(built):
     """build_optimizer()'s answer as ({name: optimizer}, {name: scheduler or None});
     a single (optimizer, scheduler) is named ""."""
     built = built if isinstance(built, Mapping) else {"": built}
-    if ALTERNATE and len(built) < 2:
-        raise failure(
-            "error: ALTERNATE needs several optimizers: build_optimizer() returns "
-            "{name: (optimizer, scheduler or None)}, one per turn"
-        )
     return {k: o for k, (o, _) in built.items()}, {k: s for k, (_, s) in built.items()}
 
 
@@ -370,6 +363,7 @@ def after_update(t, at, reports, last):
         if metrics["loss"] < t.best_val_loss:
             t.best_val_loss = metrics["loss"]
             names.append("checkpoint_best{{ saving.ext }}")
+            print0("best val_loss so far: saving checkpoint_best{{ saving.ext }}")
     if stop or saving or end:
         names.append("checkpoint_last{{ saving.ext }}")
     if names:

@@ -43,8 +43,8 @@ CHANNELS_LAST = True  # on GPUs, 2-D convolutions in NHWC: faster
 {%- endmacro %}
 
 {% macro training_fields() %}
-    model: nn.Module = None  # the plain model: saved (DDP change 4), and evaluated
-    ddp_model: DDP = None  # the same parameters in the DDP wrapper: trained (change 3)
+    - model: the plain model: saved (DDP change 4), and evaluated
+    - ddp_model: the same parameters in the DDP wrapper: trained (DDP change 3)
 {%- endmacro %}
 
 {% macro train_step() %}
@@ -120,10 +120,9 @@ def check_reduced(ddp_model):
     except RuntimeError as err:
         found = re.search(r"did not receive grad for rank \d+: ([\d ]+)", str(err))
         trained = [n for n, p in ddp_model.module.named_parameters() if p.requires_grad]
-        indices = found[1].split() if found else []
-        left = ", ".join(trained[int(i)].removeprefix("model.") for i in indices)
+        left = [trained[int(i)].removeprefix("model.") for i in found[1].split()]
         raise failure(
-            f"error: the step left {left or 'parameters'} out of its loss: set "
+            f"error: the step left {', '.join(left)} out of its loss: set "
             "FIND_UNUSED_PARAMETERS = True at the top of this file (or freeze them "
             "with requires_grad_(False))"
         ) from None
@@ -142,7 +141,6 @@ def check_reduced(ddp_model):
     for batch in loader:
         WATCH.beat()
         metrics = compute_metrics(model, to_device(batch, device))
-        for name, (total, n) in metrics.items():
 {%- endmacro %}
 
 {% macro load_for_evaluation() %}

@@ -46,9 +46,9 @@ RANK_0_WRITES_REPLICAS = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
 {%- endmacro %}
 
 {% macro training_fields() %}
-    model: nn.Module = None  # sharded over the ranks (DDP change 3): saved
-    sharded: nn.Module = None  # it in a Step, the root of the sharding
-    train_model: nn.Module = None  # the same, compiled with --compile: trained
+    - model: sharded over the ranks (DDP change 3): saved
+    - sharded: it in a Step, the root of the sharding: evaluated
+    - train_model: the same, compiled with --compile: trained
 {%- endmacro %}
 
 {% macro train_step() %}
@@ -159,7 +159,6 @@ def precision(module, args):
         metrics = model.metrics(to_device(batch, device))
         if not real:
             continue
-        for name, (total, n) in metrics.items():
 {%- endmacro %}
 
 {% macro load_for_evaluation() %}
