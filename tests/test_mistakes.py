@@ -79,10 +79,11 @@ def test_an_error_in_compute_loss_is_one_traceback_and_one_line(tmp_path, launch
     assert output.rstrip().endswith("2 of 2 ranks failed)"), output
 
 
-def test_an_index_error_in_the_loss_names_compute_loss(tmp_path):
+@pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
+def test_an_index_error_in_the_loss_names_compute_loss(tmp_path, launcher):
     """A last layer too small for the labels: IndexError, raised inside torch's
     cross_entropy, named at compute_loss's line."""
-    project = mistaken(tmp_path, TOO_FEW_CLASSES)
+    project = mistaken(tmp_path, TOO_FEW_CLASSES, launcher=launcher)
     output = run_single(project, tmp_path / "out", 2, *ARGS, expect=1)
     line = line_of(project, "return F.cross_entropy(model(images), labels), len(")
     one_traceback(output, "IndexError", "compute_loss", line)

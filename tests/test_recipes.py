@@ -74,6 +74,14 @@ def test_unused_parameters_and_activation_checkpointing(tmp_path):
     assert max_difference(w2, start) > 1e-2  # it trained
     assert torch.equal(w2["extra.weight"], start["extra.weight"])  # no gradient
 
+    # Stopped by SIGTERM after update 2 and resumed: the same end.
+    act_after_step(project)
+    stop = {"TEST_ACT_AT": "0:0:1", "TEST_ACTION": SIGTERM}
+    cut = tmp_path / "cut"
+    train(project, cut, 2, *args, "--batch-size", "8", env=stop, expect=143)
+    train(project, cut, 2, *args, "--batch-size", "8")
+    assert max_difference(final(cut), w2) < 1e-6
+
     # Without the setting, the first step stops the run in one line that names them.
     edit(
         project, "FIND_UNUSED_PARAMETERS = True  #", "FIND_UNUSED_PARAMETERS = False  #"
@@ -113,14 +121,15 @@ def test_muon_and_adamw_on_one_loss(tmp_path):
         assert float(row["lr_muon"]) == pytest.approx(cosine(0.02, step, 8), abs=1e-9)
         assert float(row["lr_adamw"]) == pytest.approx(cosine(0.002, step, 8), abs=1e-9)
 
-    # Stopped by SIGTERM after update 2, resumed: both optimizers' state came back.
+    # Stopped by SIGTERM after update 2, resumed on 1 process with the same global
+    # batch: both optimizers' state came back.
     stop = {"TEST_ACT_AT": "0:0:1", "TEST_ACTION": SIGTERM}
     output = train(
         project, tmp_path / "c", 2, *args, "--batch-size", "8", env=stop, expect=143
     )
     assert "preempted: saved" in output
-    train(project, tmp_path / "c", 2, *args, "--batch-size", "8")
-    assert max_difference(final(a), final(tmp_path / "c")) < 1e-6
+    train(project, tmp_path / "c", 1, *args, "--batch-size", "16")
+    assert max_difference(final(a), final(tmp_path / "c")) < 1e-5
 
     # One epoch, then a resume with another --lr: both schedules rebuilt for it.
     d, rest = tmp_path / "d", ["--clip-grad-norm", "0.5", "--batch-size", "8"]
@@ -215,6 +224,18 @@ def test_an_ema_is_kept_evaluated_and_saved(tmp_path):
     train(project, c, 2, *args, "--batch-size", "8")
     assert max_difference(final(c, "model_final_ema.pt"), ema) < 1e-6
 
+    # Rank 1 killed after update 6 (pass 2), the same command again: from update 4's
+    # save, the EMA with it, to the same end.
+    killed = tmp_path / "killed"
+    again = [*COMMON, *args, "--batch-size", "8", "--save-every", "3"]
+    command = ["./run_single.sh", *again, "--output-dir", str(killed)]
+    kill = {"NPROC_PER_NODE": "2", "TEST_ACT_AT": "1:1:1", "TEST_ACTION": KILL}
+    code, output, _, left = watch(command, project, kill)
+    assert code == 1 and left == [] and "error: rank 1 died (SIGKILL)" in output
+    output = train(project, killed, 2, *again[len(COMMON) :])
+    assert "resumed from" in output and "after epoch 1" in output, output
+    assert max_difference(final(killed, "model_final_ema.pt"), ema) < 1e-6
+
     # A checkpoint saved before the EMA was added: one line, not a KeyError.
     plain = bake(tmp_path / "plain")
     without_batchnorm(plain)
@@ -222,8 +243,8 @@ def test_an_ema_is_kept_evaluated_and_saved(tmp_path):
     train(plain, old, 2, "--epochs", "1", "--lr", "0.05", "--batch-size", "8")
     output = train(project, old, 2, *args, "--batch-size", "8", expect=1)
     line = (
-        f"error: {old / 'checkpoint_last.pt'} holds no 'ema', which build_optimizer() "
-        "keeps; start afresh with --resume never or another --output-dir"
+        f"error: {old / 'checkpoint_last.pt'} keeps no 'ema'; start afresh with "
+        "--resume never or another --output-dir"
     )
     assert error_lines(output) == [line], output
 

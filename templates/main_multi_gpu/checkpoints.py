@@ -220,11 +220,8 @@ def resume(t, checkpoint, out_dir):
         fresh = {n: [dict(g) for g in o.param_groups] for n, o in t.optimizers.items()}
 {{ saving.resume_tensors() }}
         for name, (thing, _) in KEPT.items():
-            if name not in checkpoint.get("kept", {}):
-                raise failure(
-                    f"error: {checkpoint['path']} holds no {name!r}, which "
-                    f"build_optimizer() keeps{advice}"
-                )
+            if name not in checkpoint.get("kept", {}):  # saved before keep() was
+                raise failure(f"error: {checkpoint['path']} keeps no {name!r}{advice}")
             thing.load_state_dict(checkpoint["kept"][name])
         if checkpoint["scaler"]:  # empty when it was saved without --amp fp16
             t.scaler.load_state_dict(checkpoint["scaler"])

@@ -29,13 +29,10 @@ def build_training(args, device, checkpoint):
     loaders = build_loaders(train_set, val_set, args, device)
     t.train_data, t.train_loader, t.val_loader = loaders
     t.steps_per_pass = pass_steps(train_set, t.train_loader, args)
-    global_batch = dist.get_world_size() * args.batch_size * args.grad_accum
-    if isinstance(train_set, Sized) and len(train_set) < global_batch:
-        print0(
-            f"warning: the global batch ({global_batch}) is larger than the training "
-            f"set ({len(train_set)} samples): one update a pass",
-            file=sys.stderr,
-        )
+    size = len(train_set) if isinstance(train_set, Sized) else math.inf
+    if (batch := dist.get_world_size() * args.batch_size * args.grad_accum) > size:
+        line = f"warning: the global batch ({batch}) is larger than the training set"
+        print0(f"{line} ({size} samples): one update a pass", file=sys.stderr)
     if not (args.max_steps or t.steps_per_pass):
         raise failure(
             "error: build_datasets() returned a training stream without a length: "

@@ -309,7 +309,12 @@ def report_lost_peer(err):
     another rank raised an error: its report says it)."""
     rank = dist.get_rank()
     with contextlib.suppress(dist.DistError):  # the store may have gone with its host
+{% if spawn %}
+        # Rank 0 holds the store: the others cannot ask it once rank 0 has gone.
+        if rank == 0 and WATCH.count("raised"):
+{% else %}
         if WATCH.count("raised"):
+{% endif %}
             return
 {% if multi and not spawn %}
     elastic = "ELASTIC_ROUND" in os.environ  # NNODES=MIN:MAX: torchrun goes on
@@ -336,11 +341,13 @@ def report_error(err):
     """An exception this rank raised: the first rank to raise one prints its traceback,
     from the first frame of the edit zone on, then one line naming the rank, the
     function and the line; other ranks that raise one are counted, not repeated."""
-    raised = 1
+    rank, raised, first = dist.get_rank(), 1, True
     with contextlib.suppress(dist.DistError):  # the store may have gone with its host
-        if WATCH.count("raised", 1) > 1:
-            return
-        WATCH.wait_for(lambda: WATCH.count("raised") == WATCH.world_size, 1)
+        first = WATCH.count("raised", 1) == 1
+        if first:  # a moment for the others that fail alike
+            WATCH.wait_for(lambda: WATCH.count("raised") == WATCH.world_size, 1)
+        else:  # the first one's report
+            WATCH.wait_for(lambda: WATCH.store.check(["reported"]), 5)
         raised = WATCH.count("raised")
     tb, yours = err.__traceback__, run.__code__.co_firstlineno  # the edit zone ends
     while tb and not (in_this_file(tb.tb_frame.f_code) and tb.tb_lineno < yours):
@@ -352,8 +359,15 @@ def report_error(err):
     line, name = ([p for p in ours if p[0] < yours] or ours or [(0, "?")])[-1]
     why = (str(err).strip().splitlines() or [""])[0]
     also = f"; {raised} of {dist.get_world_size()} ranks failed" if raised > 1 else ""
-    text += f"[rank {dist.get_rank()}] error: {type(err).__name__} in {name}, line "
-    print(f"{text}{line}: {why} (the traceback above{also})", file=sys.stderr)
+    text += f"[rank {rank}] error: {type(err).__name__} in {name}, line {line}: "
+    if first:
+        print(f"{text}{why} (the traceback above{also})", file=sys.stderr)
+    with contextlib.suppress(dist.DistError):  # rank 0 leaves last: it may hold the
+        WATCH.store.set("reported", "1")  # store the others ask
+        if rank:
+            WATCH.count("left", 1)
+        else:
+            WATCH.wait_for(lambda: WATCH.count("left") >= WATCH.count("raised") - 1, 5)
 
 
 def returned(function, value, expected):
@@ -380,10 +394,8 @@ def quiet_torch_logs(logger, messages):
 
 
 def died(rank, signal_name):
-    print(
-        f"error: rank {rank} died ({signal_name}); the other workers were stopped",
-        file=sys.stderr,
-    )
+    line = f"error: rank {rank} died ({signal_name}); the other workers were stopped"
+    print(line, file=sys.stderr)
 
 
 def abort_line():

@@ -54,14 +54,6 @@ class Step(nn.Module):
         return compute_metrics(self.model, batch)
 {% endif %}
 
-    def take_units(self):
-        """The units of the update just reduced, over all ranks."""
-        grad = self.units.grad
-{% if fsdp %}
-        grad = grad.to_local()  # reduce-scattered: this rank's element of the mean
-{% endif %}
-        return grad[0].double() * dist.get_world_size()
-
 
 def update(t, turn):
 {{ par.update_doc() }}
@@ -71,20 +63,24 @@ def update(t, turn):
     # The gradients are of loss sums, averaged over ranks: divide them by the mean
     # units per rank (over all ranks), so that every update follows the mean loss
     # over all units of the global batch, for any processes and --grad-accum.
-    units = t.{{ par.step }}.take_units().clamp_(min=1)  # padding alone: 0, not 0 / 0
+{% if fsdp %}
+    units = t.sharded.units.grad.to_local()  # reduce-scattered: this rank's element
+{% else %}
+    units = t.ddp_model.module.units.grad  # every element: the mean units per rank
+{% endif %}
+    units = units[0].double().clamp(min=1 / dist.get_world_size())  # 0 / 0: 0
     for optimizer in optimizers:  # --amp fp16: the true gradients, for clipping
         t.scaler.unscale_(optimizer)
     grads = [p.grad for p in params if p.grad is not None]
-    torch._foreach_mul_(grads, args.batch_size * dist.get_world_size() / units)
+    torch._foreach_mul_(grads, args.batch_size / units)
     if args.clip_grad_norm:
         nn.utils.clip_grad_norm_(params, args.clip_grad_norm)
     for optimizer in optimizers:
         t.scaler.step(optimizer)  # skipped when fp16 gradients overflowed
     t.scaler.update()
     t.{{ par.step }}.zero_grad(set_to_none=True)  # a turn's loss reaches others' too
-    for name in names:
-        if t.schedulers[name]:
-            t.schedulers[name].step()
+    for scheduler in filter(None, map(t.schedulers.get, names)):  # those not None
+        scheduler.step()
 
 
 def check(t, reports):
