@@ -262,3 +262,40 @@ def test_a_gan_under_fsdp2_and_fp16(tmp_path):
     train(project, fp16, 2, *GAN_ARGS, "--batch-size", "4", "--amp", "fp16")
     moved = max_difference(done, start_weights(project))
     assert max_difference(final(fp16), done) < 0.1 * moved
+
+
+SGD_AND_ADAMW = '''
+def build_optimizer(model, args, total_updates):
+    """SGD for the weight matrices and kernels, AdamW for the rest (FSDP2 shards)."""
+    matrices = [p for p in model.parameters() if p.ndim >= 2]
+    others = [p for p in model.parameters() if p.ndim < 2]
+    sgd = torch.optim.SGD(matrices, lr=args.lr, momentum=0.9)
+    adamw = torch.optim.AdamW(others, lr=args.lr / 10)
+    linear = torch.optim.lr_scheduler.LinearLR
+    return {"sgd": (sgd, linear(sgd, 1.0, 0.1, total_updates)), "adamw": (adamw, None)}
+'''
+
+
+def test_several_optimizers_under_fsdp2_resume_exactly(tmp_path):
+    """Two optimizers over FSDP2's shards: one checkpoint folder holds both states
+    (torch.distributed.checkpoint), and a SIGTERM then a resume on 1 process ends like
+    the straight run on 2, which equals 1 x 16; --amp fp16 scales and unscales both."""
+    project = bake(tmp_path / "project", parallelism="fsdp2")
+    replace_user_functions(project, SGD_AND_ADAMW)
+    without_batchnorm(project)
+    act_after_step(project)
+    args = ["--epochs", "2", "--lr", "0.02", "--clip-grad-norm", "1.0"]
+    a = tmp_path / "a"
+    train(project, a, 2, *args, "--batch-size", "8")
+    train(project, tmp_path / "b", 1, *args, "--batch-size", "16")
+    assert max_difference(final(a), final(tmp_path / "b")) < 1e-5
+    assert {"lr_sgd", "lr_adamw"} <= set(metrics(a)[0])
+    stop = {"TEST_ACT_AT": "0:0:1", "TEST_ACTION": SIGTERM}
+    c = tmp_path / "c"
+    train(project, c, 2, *args, "--batch-size", "8", env=stop, expect=143)
+    train(project, c, 1, *args, "--batch-size", "16")
+    assert max_difference(final(a), final(c)) < 1e-5
+    fp16 = tmp_path / "fp16"
+    train(project, fp16, 2, *args, "--batch-size", "8", "--amp", "fp16")
+    moved = max_difference(final(a), start_weights(project))
+    assert max_difference(final(fp16), final(a)) < 0.1 * moved
