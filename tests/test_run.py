@@ -124,6 +124,7 @@ def check_outputs(project, answers, out_dir, result):
         f"{out_dir / 'metrics.csv'} (pip install matplotlib for a plot)\n"
     )
     assert log.count("done: ") == 1 and log.count(done) == 1, log
+    assert "Warning:" not in log, log  # no deprecation or user warning from torch
     warned = log.count(SYNC_BN_WARNING)
     on_gpu = torch.cuda.is_available()
     assert warned == (1 if answers["sync_bn"] and not on_gpu else 0), log

@@ -101,16 +101,18 @@ CHANNELS_LAST = True  # on GPUs, 2-D convolutions in NHWC: faster
         device_ids=[device.index] if device.type == "cuda" else None,
         gradient_as_bucket_view=True,
         find_unused_parameters=FIND_UNUSED_PARAMETERS,
-{% if cookiecutter.sync_bn %}
-        # Rank 0's buffers to the others before each forward pass: none at world size
-        # 1, and SyncBatchNorm's are equal already.
-        broadcast_buffers=device.type != "cuda" and dist.get_world_size() > 1,
-{% else %}
-        # Rank 0's buffers to the others before each forward pass (none at world size
-        # 1: a sixth of a millisecond a step saved on a CPU).
-        broadcast_buffers=dist.get_world_size() > 1,
-{% endif %}
     )
+{% if cookiecutter.sync_bn %}
+    # Rank 0's buffers to the others before each forward pass: none at world size 1,
+    # and SyncBatchNorm's are equal already. (An attribute: torch 2.13 deprecates the
+    # argument, which older versions need.)
+    t.ddp_model.broadcast_buffers = device.type != "cuda" and dist.get_world_size() > 1
+{% else %}
+    # Rank 0's buffers to the others before each forward pass: none at world size 1 (a
+    # sixth of a millisecond a step on a CPU). (An attribute: torch 2.13 deprecates the
+    # argument, which older versions need.)
+    t.ddp_model.broadcast_buffers = dist.get_world_size() > 1
+{% endif %}
     # What evaluation, --evaluate and the final weights use: the model, or what
     # build_optimizer() named with keep(..., evaluate=) (an EMA's average).
     t.evaluated = next((e for _, e in KEPT.values() if e is not None), model)
