@@ -249,6 +249,36 @@ def test_an_ema_is_kept_evaluated_and_saved(tmp_path):
     assert error_lines(output) == [line], output
 
 
+def test_a_gan_drawing_its_noise_resumes_mid_pass_exactly(tmp_path):
+    """The README's GAN as written, its noise drawn with torch.randn in compute_loss:
+    each process's generator is seeded again at every update, so a SIGTERM after
+    update 2 (saved at update 3's check, in the middle of the first pass) and a resume
+    end like a run never stopped. The control: seeding only at each pass's start (as
+    before) differs."""
+    project = recipe(tmp_path, "class GAN(")
+    act_after_step(project)
+    args = [*GAN_ARGS, "--batch-size", "8", "--save-every", "3"]
+    train(project, tmp_path / "straight", 2, *args)
+    stop = {"TEST_ACT_AT": "0:0:1", "TEST_ACTION": SIGTERM}
+    cut = tmp_path / "cut"
+    train(project, cut, 2, *args, env=stop, expect=143)
+    output = train(project, cut, 2, *args)
+    assert "in epoch 1 after 3 batches" in output, output
+    straight = final(tmp_path / "straight")
+    assert max_difference(final(cut), straight) < 1e-6
+    # The control: without the seeding at every update, the resume draws other noise.
+    edit(
+        project,
+        "        if micro % args.grad_accum == 0:  # an update begins (its batch fetched)\n"
+        "            torch.manual_seed(seed + at.step * dist.get_world_size())\n",
+        "",
+    )
+    again = tmp_path / "again"
+    train(project, again, 2, *args, env=stop, expect=143)
+    train(project, again, 2, *args)
+    assert max_difference(final(again), straight) > 1e-4
+
+
 def test_a_gan_under_fsdp2_and_fp16(tmp_path):
     """The same GAN sharded with FSDP2 (2 x 4 equals 1 x 8; the generator is sharded on
     its own, the discriminator stays in the root), and under --amp fp16, whose loss

@@ -284,9 +284,8 @@ def restore_schedule(t, checkpoint, done, fresh):
     same_length = was == (t.total_updates, global_batch)
     schedulers = {name: s for name, s in t.schedulers.items() if s}
     if saved["lr"] == args.lr and (same_length or not schedulers):
-        for name, state in unpacked(t, checkpoint["scheduler"]).items():
-            if state:
-                t.schedulers[name].load_state_dict(state)
+        for name, scheduler in schedulers.items():
+            scheduler.load_state_dict(unpacked(t, checkpoint["scheduler"])[name])
         return
     # Keep the optimizers' statistics (momentum, Adam moments); take the new settings.
     for name, optimizer in t.optimizers.items():

@@ -4,11 +4,11 @@ class LossSums:
     check(), to name the step where one stopped being finite."""
 
     def __init__(self, device, args, carried=(0.0, 0.0)):
-        self.loss = torch.tensor(carried[0], dtype=torch.float64, device=device)
-        self.units = torch.tensor(carried[1], dtype=torch.float64, device=device)
+        # Two views of one tensor: the loss sum and the units.
+        self.loss, self.units = torch.tensor(carried, dtype=torch.float64).to(device)
         self.recent = torch.zeros(LOG_EVERY * args.grad_accum, device=device)
-        self.count = 0  # losses in recent
-        self.epoch = self.next_step = 0  # the pass and micro-batch of recent[0]
+        # The losses in recent; the pass and the micro-batch of recent[0].
+        self.count = self.epoch = self.next_step = 0
 
     def add(self, loss, n):
         loss = loss.detach()
@@ -30,13 +30,14 @@ class LossSums:
 class Step(nn.Module):
     """{{ par.step_host }}: the model, and a training step (compute_loss) as
     the forward pass, so that {{ par.step_sees }} every parameter a step uses; and `units`,
-    a parameter, zero: each micro-batch adds units x n to its loss, so the gradients'
-    reduction brings the mean n per rank."""
+    a parameter, zero: each micro-batch adds its sum times n to its loss, so the
+    gradients' reduction brings the mean n per rank (in each element: one per rank,
+    so that FSDP2 shards it evenly)."""
 
     def __init__(self, model):
         super().__init__()
         self.model = model
-        self.units = nn.Parameter(torch.zeros(dist.get_world_size()))  # one per rank
+        self.units = nn.Parameter(torch.zeros(dist.get_world_size()))
 
     def forward(self, batch, real, turn):
         """compute_loss's (loss, n) for one micro-batch, and units x n."""

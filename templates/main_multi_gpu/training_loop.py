@@ -175,7 +175,8 @@ def print0(*args, **kwargs):
 
 
 class Training(types.SimpleNamespace):
-    """What the loop works with, built by build_training(), as t.NAME:
+    """What the loop works with, built by build_training() (sums: by resume()), as
+    t.NAME:
     - args, device: the command line; this process's device
 {{ par.training_fields() }}
     - evaluated: the model, or what keep(..., evaluate=) named instead
@@ -266,15 +267,19 @@ def train_pass(t, at, reports):
     save). Returns True when a stop signal asks to stop, after saving."""
     args, device = t.args, t.device
     t.{{ par.wrapper }}.train()
-    # Per-rank randomness (dropout, augmentation): the same after a resume at a pass
-    # boundary; after a mid-pass stop, the rest of the pass differs.
-    torch.manual_seed(args.seed + at.epoch * dist.get_world_size() + dist.get_rank())
+    # Per-rank randomness in the training process (dropout, noise drawn in your
+    # functions) is seeded at the pass's start and at every update's, from the updates
+    # done: a resume, even in the middle of a pass, draws what a run never stopped.
+    seed = args.seed + dist.get_rank()
+    torch.manual_seed(seed + at.step * dist.get_world_size())
     t.sums.epoch = at.epoch
     t.sums.next_step = at.samples // (args.batch_size * dist.get_world_size())
     # An update steps every optimizer; with ALTERNATE, each in its own turn.
     turns = [(name,) for name in t.optimizers] if ALTERNATE else [()]
     micro, held = 0, []  # micro-batches of this pass in this run; of this update
     for batch, real, position, last, state in reports.batches(pass_data(t, at), at):
+        if micro % args.grad_accum == 0:  # an update begins (its batch fetched)
+            torch.manual_seed(seed + at.step * dist.get_world_size())
         held.append((to_device(batch, device), real))
         micro += 1
         sync = micro % args.grad_accum == 0 or last

@@ -128,9 +128,10 @@ def check_reduced(ddp_model):
     except RuntimeError as err:
         found = re.search(r"did not receive grad for rank \d+: ([\d ]+)", str(err))
         trained = [n for n, p in ddp_model.module.named_parameters() if p.requires_grad]
-        left = [trained[int(i)].removeprefix("model.") for i in found[1].split()]
+        names = ", ".join(trained[int(i)] for i in found[1].split())
+        left = re.sub(r"(^|, )model\.", r"\1", names).replace("_orig_mod.", "")
         raise failure(
-            f"error: the step left {', '.join(left)} out of its loss: set "
+            f"error: the step left {left} out of its loss: set "
             "FIND_UNUSED_PARAMETERS = True at the top of this file (or freeze them "
             "with requires_grad_(False))"
         ) from None
