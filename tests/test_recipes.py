@@ -270,7 +270,7 @@ def test_a_gan_drawing_its_noise_resumes_mid_pass_exactly(tmp_path):
     edit(
         project,
         "        if micro % args.grad_accum == 0:  # an update begins (its batch fetched)\n"
-        "            torch.manual_seed(seed + at.step * dist.get_world_size())\n",
+        "            reseed(seed + at.step * dist.get_world_size(), device)\n",
         "",
     )
     again = tmp_path / "again"

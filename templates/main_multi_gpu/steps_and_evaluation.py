@@ -11,10 +11,9 @@ class LossSums:
         self.count = self.epoch = self.next_step = 0
 
     def add(self, loss, n):
-        loss = loss.detach()
+        self.recent[self.count] = loss = loss.detach()
         self.loss += loss.double() * n
         self.units += n
-        self.recent[self.count] = loss
         self.count += 1
 
     def totals(self, reset=False):
