@@ -235,7 +235,7 @@ def train(args, device):
             if train_pass(t, at, reports):  # a stop signal: saved, so stop
                 return stopped(last_path, at, args.batch_size)
 {{ saving.final_weights() }}
-    evaluated = {name: e.state_dict() for name, (_, e) in KEPT.items() if e}
+    evaluated = {k: e.state_dict() for k, (_, e) in KEPT.items() if e is t.evaluated}
     by_rank_0(device, save_final, weights, evaluated, out_dir, args.tensorboard)
     return 0
 
