@@ -58,27 +58,52 @@ def start_weights(project):
     return module.build_model(module.parse_args([])).state_dict()
 
 
+def two_equal_one(project, tmp_path, args, batch, names=("model_final.pt",)):
+    """2 processes x `batch`, then 1 x 2 `batch`: the same weights in each file of
+    `names`. Returns the 2-process run's folder."""
+    two, one = tmp_path / "w2", tmp_path / "w1"
+    train(project, two, 2, *args, "--batch-size", str(batch))
+    train(project, one, 1, *args, "--batch-size", str(2 * batch))
+    for name in names:
+        assert max_difference(final(two, name), final(one, name)) < 1e-5
+    return two
+
+
+def stopped(project, out_dir, *args):
+    """A 2-process run that SIGTERM stops after update 2 (act_after_step): it saves
+    and exits 143. Returns its output."""
+    stop = {"TEST_ACT_AT": "0:0:1", "TEST_ACTION": SIGTERM}
+    return train(project, out_dir, 2, *args, env=stop, expect=143)
+
+
+def killed_and_rerun(project, out_dir, *args):
+    """Rank 1 killed with kill -9 after its 2nd step of pass 2 (act_after_step), as a
+    user launches the job; then the same command. Returns the rerun's output."""
+    command = ["./run_single.sh", *COMMON, *args, "--output-dir", str(out_dir)]
+    kill = {"NPROC_PER_NODE": "2", "TEST_ACT_AT": "1:1:1", "TEST_ACTION": KILL}
+    code, output, _, left = watch(command, project, kill)
+    assert code == 1 and left == [] and "error: rank 1 died (SIGKILL)" in output
+    return train(project, out_dir, 2, *args)
+
+
 # -- unused parameters, activation checkpointing ----------------------------------------
 
 
 def test_unused_parameters_and_activation_checkpointing(tmp_path):
     project = recipe(tmp_path, "class Net(")
     args = ["--epochs", "2", "--lr", "0.05"]
-    train(project, tmp_path / "w2", 2, *args, "--batch-size", "8")
-    train(project, tmp_path / "w1", 1, *args, "--batch-size", "16")
+    w2 = final(two_equal_one(project, tmp_path, args, 8))
     accum = [*args, "--batch-size", "8", "--grad-accum", "2", "--compile"]
     train(project, tmp_path / "accum", 1, *accum)
-    w2, start = final(tmp_path / "w2"), start_weights(project)
-    assert max_difference(w2, final(tmp_path / "w1")) < 1e-5
+    start = start_weights(project)
     assert max_difference(w2, final(tmp_path / "accum")) < 1e-5
     assert max_difference(w2, start) > 1e-2  # it trained
     assert torch.equal(w2["extra.weight"], start["extra.weight"])  # no gradient
 
     # Stopped by SIGTERM after update 2 and resumed: the same end.
     act_after_step(project)
-    stop = {"TEST_ACT_AT": "0:0:1", "TEST_ACTION": SIGTERM}
     cut = tmp_path / "cut"
-    train(project, cut, 2, *args, "--batch-size", "8", env=stop, expect=143)
+    stopped(project, cut, *args, "--batch-size", "8")
     train(project, cut, 2, *args, "--batch-size", "8")
     assert max_difference(final(cut), w2) < 1e-6
 
@@ -110,10 +135,7 @@ def test_muon_and_adamw_on_one_loss(tmp_path):
     without_batchnorm(project)
     act_after_step(project)
     args = ["--epochs", "2", "--lr", "0.02", "--clip-grad-norm", "0.5"]
-    a = tmp_path / "a"
-    train(project, a, 2, *args, "--batch-size", "8")
-    train(project, tmp_path / "b", 1, *args, "--batch-size", "16")
-    assert max_difference(final(a), final(tmp_path / "b")) < 1e-5
+    a = two_equal_one(project, tmp_path, args, 8)
     rows = metrics(a)
     assert "lr" not in rows[0] and [r["step"] for r in rows] == ["4", "8"]
     for row in rows:  # each optimizer on its own cosine
@@ -123,10 +145,7 @@ def test_muon_and_adamw_on_one_loss(tmp_path):
 
     # Stopped by SIGTERM after update 2, resumed on 1 process with the same global
     # batch: both optimizers' state came back.
-    stop = {"TEST_ACT_AT": "0:0:1", "TEST_ACTION": SIGTERM}
-    output = train(
-        project, tmp_path / "c", 2, *args, "--batch-size", "8", env=stop, expect=143
-    )
+    output = stopped(project, tmp_path / "c", *args, "--batch-size", "8")
     assert "preempted: saved" in output
     train(project, tmp_path / "c", 1, *args, "--batch-size", "16")
     assert max_difference(final(a), final(tmp_path / "c")) < 1e-5
@@ -185,12 +204,9 @@ def test_a_gan_alternates_its_updates(tmp_path):
     # Rank 1 killed after update 5 (pass 2, its 2nd step), the same command again:
     # update 3's save, both Adams' moments, and the end of the straight run.
     out = tmp_path / "killed"
-    args += ["--batch-size", "4", "--grad-accum", "2"]
-    command = ["./run_single.sh", *COMMON, *args, "--output-dir", str(out)]
-    kill = {"NPROC_PER_NODE": "2", "TEST_ACT_AT": "1:1:1", "TEST_ACTION": KILL}
-    code, output, _, left = watch(command, project, kill)
-    assert code == 1 and left == [] and "error: rank 1 died (SIGKILL)" in output
-    output = train(project, out, 2, *args)
+    output = killed_and_rerun(
+        project, out, *args, "--batch-size", "4", "--grad-accum", "2"
+    )
     assert "resumed from" in output
     assert max_difference(final(out), done) < 1e-6
 
@@ -203,11 +219,8 @@ def test_an_ema_is_kept_evaluated_and_saved(tmp_path):
     without_batchnorm(project)
     act_after_step(project)
     args = ["--epochs", "2", "--lr", "0.05"]
-    a = tmp_path / "a"
-    train(project, a, 2, *args, "--batch-size", "8")
-    train(project, tmp_path / "b", 1, *args, "--batch-size", "16")
-    for name in ("model_final.pt", "model_final_ema.pt"):
-        assert max_difference(final(a, name), final(tmp_path / "b", name)) < 1e-5
+    names = ("model_final.pt", "model_final_ema.pt")
+    a = two_equal_one(project, tmp_path, args, 8, names)
     ema, trained = final(a, "model_final_ema.pt"), final(a)
     assert 1e-4 < max_difference(ema, trained)  # an average, not the weights
 
@@ -218,21 +231,17 @@ def test_an_ema_is_kept_evaluated_and_saved(tmp_path):
         assert f"val_loss {float(last['val_loss']):.6g}" in output, output
 
     # SIGTERM after update 2, resumed: the EMA came back with the model.
-    stop = {"TEST_ACT_AT": "0:0:1", "TEST_ACTION": SIGTERM}
     c = tmp_path / "c"
-    train(project, c, 2, *args, "--batch-size", "8", env=stop, expect=143)
+    stopped(project, c, *args, "--batch-size", "8")
     train(project, c, 2, *args, "--batch-size", "8")
     assert max_difference(final(c, "model_final_ema.pt"), ema) < 1e-6
 
     # Rank 1 killed after update 6 (pass 2), the same command again: from update 4's
     # save, the EMA with it, to the same end.
     killed = tmp_path / "killed"
-    again = [*COMMON, *args, "--batch-size", "8", "--save-every", "3"]
-    command = ["./run_single.sh", *again, "--output-dir", str(killed)]
-    kill = {"NPROC_PER_NODE": "2", "TEST_ACT_AT": "1:1:1", "TEST_ACTION": KILL}
-    code, output, _, left = watch(command, project, kill)
-    assert code == 1 and left == [] and "error: rank 1 died (SIGKILL)" in output
-    output = train(project, killed, 2, *again[len(COMMON) :])
+    output = killed_and_rerun(
+        project, killed, *args, "--batch-size", "8", "--save-every", "3"
+    )
     assert "resumed from" in output and "after epoch 1" in output, output
     assert max_difference(final(killed, "model_final_ema.pt"), ema) < 1e-6
 
@@ -259,9 +268,8 @@ def test_a_gan_drawing_its_noise_resumes_mid_pass_exactly(tmp_path):
     act_after_step(project)
     args = [*GAN_ARGS, "--batch-size", "8", "--save-every", "3"]
     train(project, tmp_path / "straight", 2, *args)
-    stop = {"TEST_ACT_AT": "0:0:1", "TEST_ACTION": SIGTERM}
     cut = tmp_path / "cut"
-    train(project, cut, 2, *args, env=stop, expect=143)
+    stopped(project, cut, *args)
     output = train(project, cut, 2, *args)
     assert "in epoch 1 after 3 batches" in output, output
     straight = final(tmp_path / "straight")
@@ -274,7 +282,7 @@ def test_a_gan_drawing_its_noise_resumes_mid_pass_exactly(tmp_path):
         "",
     )
     again = tmp_path / "again"
-    train(project, again, 2, *args, env=stop, expect=143)
+    stopped(project, again, *args)
     train(project, again, 2, *args)
     assert max_difference(final(again), straight) > 1e-4
 
@@ -284,10 +292,7 @@ def test_a_gan_under_fsdp2_and_fp16(tmp_path):
     its own, the discriminator stays in the root), and under --amp fp16, whose loss
     scaling each turn applies on its own: it trains close to the float32 run."""
     project = gan(tmp_path, parallelism="fsdp2")
-    train(project, tmp_path / "w2", 2, *GAN_ARGS, "--batch-size", "4")
-    train(project, tmp_path / "w1", 1, *GAN_ARGS, "--batch-size", "8")
-    done = final(tmp_path / "w2")
-    assert max_difference(done, final(tmp_path / "w1")) < 1e-5
+    done = final(two_equal_one(project, tmp_path, GAN_ARGS, 4))
     fp16 = tmp_path / "fp16"
     train(project, fp16, 2, *GAN_ARGS, "--batch-size", "4", "--amp", "fp16")
     moved = max_difference(done, start_weights(project))
@@ -315,14 +320,10 @@ def test_several_optimizers_under_fsdp2_resume_exactly(tmp_path):
     without_batchnorm(project)
     act_after_step(project)
     args = ["--epochs", "2", "--lr", "0.02", "--clip-grad-norm", "1.0"]
-    a = tmp_path / "a"
-    train(project, a, 2, *args, "--batch-size", "8")
-    train(project, tmp_path / "b", 1, *args, "--batch-size", "16")
-    assert max_difference(final(a), final(tmp_path / "b")) < 1e-5
+    a = two_equal_one(project, tmp_path, args, 8)
     assert {"lr_sgd", "lr_adamw"} <= set(metrics(a)[0])
-    stop = {"TEST_ACT_AT": "0:0:1", "TEST_ACTION": SIGTERM}
     c = tmp_path / "c"
-    train(project, c, 2, *args, "--batch-size", "8", env=stop, expect=143)
+    stopped(project, c, *args, "--batch-size", "8")
     train(project, c, 1, *args, "--batch-size", "16")
     assert max_difference(final(a), final(c)) < 1e-5
     fp16 = tmp_path / "fp16"
