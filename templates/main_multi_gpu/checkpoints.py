@@ -14,7 +14,8 @@ def snapshot(t, at):
         "epoch": at.epoch,  # passes done
         "epoch_samples": at.samples,  # of the pass under way, over all ranks
         "step": at.step,  # optimizer updates done
-        "stream": at.stream,  # the training stream's state_dict() there, or None
+        "stream": stream_states(t, at),  # {sub-stream: its state_dict()}, or None
+        "stream_shards": getattr(t.train_data, "shards", None),  # see StreamShard
         "train_sums": list(sums),  # loss sum and units since the last evaluation
         "global_batch": [world_size, args.batch_size, args.grad_accum],
         "total_updates": t.total_updates,
@@ -23,6 +24,18 @@ def snapshot(t, at):
 {% endif %}
         "args": {key: plain(value) for key, value in vars(args).items()},
     }
+
+
+def stream_states(t, at):
+    """A stream's states at `at`, each rank's readers' sub-streams', on every rank;
+    None for a sampler, or at a pass's end."""
+    if at.stream is None:
+        return None
+    states = {}
+    for rank in range(dist.get_world_size()):
+        data = pickle.dumps(at.stream) if rank == dist.get_rank() else None
+        states.update(pickle.loads(broadcast_bytes(data, t.device, src=rank)))
+    return states
 
 
 def packed(states):
@@ -141,18 +154,18 @@ def load_weights(model, weights, path, advice=""):
         ) from err
 
 
-def broadcast_bytes(data, device):
-    """Rank 0's bytes, on every rank, as a bytearray (None where rank 0 has None): a
+def broadcast_bytes(data, device, src=0):
+    """Rank src's bytes, on every rank, as a bytearray (None where it has None): a
     size, then the bytes as a uint8 tensor. (all_gather_object and friends would need
     NumPy.)"""
     size = torch.tensor(-1 if data is None else len(data), device=device)
-    dist.broadcast(size, src=0)
+    dist.broadcast(size, src=src)
     if size.item() < 0:
         return None
-    buffer = bytearray(data) if dist.get_rank() == 0 else bytearray(size.item())
+    buffer = bytearray(data) if dist.get_rank() == src else bytearray(size.item())
     if buffer:
         received = torch.frombuffer(buffer, dtype=torch.uint8).to(device)
-        dist.broadcast(received, src=0)
+        dist.broadcast(received, src=src)
         torch.frombuffer(buffer, dtype=torch.uint8).copy_(received)
     return buffer
 
@@ -254,10 +267,13 @@ def resume_position(t, at, saved_batch):
     again, and the updates done are counted in updates of the new global batch."""
     args, world_size = t.args, dist.get_world_size()
     if isinstance(t.train_data, StreamShard):
-        if at.samples and at.stream is None:
+        shards = t.train_data.shards
+        if at.samples and None in at.stream.values():
+            again = f"every reader reads its first {at.samples} items again"
+            if shards:
+                again = f"each of its {shards} shards is read again, by one reader,"
             print0(
-                f"resume: the training stream has no state_dict(), so every reader "
-                f"reads its first {at.samples} items again to get there"
+                f"resume: the training stream has no state_dict(), so {again} to get there"
             )
     elif again := at.samples % (args.batch_size * world_size):
         print0(f"resume: {again} samples of this pass are trained again")

@@ -26,7 +26,7 @@ def build_training(args, device, checkpoint):
     t = Training(args=args, device=device)
 {% endif %}
     train_set, val_set = datasets(args)
-    loaders = build_loaders(train_set, val_set, args, device)
+    loaders = build_loaders(train_set, val_set, args, device, checkpoint)
     t.train_data, t.train_loader, t.val_loader = loaders
     t.steps_per_pass = pass_steps(train_set, t.train_loader, args)
     size = len(train_set) if isinstance(train_set, Sized) else math.inf
@@ -77,15 +77,14 @@ class Held:
         return signal.pthread_sigmask, (signal.SIG_BLOCK, STOPS)
 
 
-def build_loaders(train_set, val_set, args, device):
+def build_loaders(train_set, val_set, args, device, checkpoint):
     """DDP change 2: each rank reads a different 1/world_size of the training set
     (a single-GPU script would pass shuffle=True to the DataLoader instead)."""
     if isinstance(train_set, IterableDataset):
-        train_data = StreamShard(
-            train_set, args.batch_size, lockstep=True, keep_state=True
-        )
-        options = loader_options(train_data, args, device)
-        train_loader = DataLoader(train_data, batch_size=None, **options)
+        # Kept by checkpoints: a resume reads the stream as the run began to.
+        shards = stream_shards(train_set, checkpoint, args, say=True)
+        train_data = StreamShard(train_set, args, shards, every=args.grad_accum)
+        train_loader = StreamLoader(train_data, args, device, lockstep=True)
         return train_data, train_loader, build_val_loader(val_set, args, device)
     common = loader_options(train_set, args, device)
     shard = DistributedSampler(train_set, shuffle=True, seed=args.seed)
@@ -104,14 +103,31 @@ def build_loaders(train_set, val_set, args, device):
 def build_val_loader(val_set, args, device):
     """Validation shards take every world_size-th sample with no padding, so the
     summed metrics count each sample exactly once (DistributedSampler would repeat
-    some); a stream is cut the same way."""
+    some); a stream is cut as for training (each item read once where it can be
+    split by shard)."""
     if isinstance(val_set, IterableDataset):
-        shard = StreamShard(val_set, args.batch_size, lockstep={{ fsdp }})
-        return DataLoader(shard, batch_size=None, **loader_options(shard, args, device))
+        shard = StreamShard(val_set, args, stream_shards(val_set, None, args))
+        return StreamLoader(shard, args, device, lockstep={{ fsdp }})
     rank, world_size = dist.get_rank(), dist.get_world_size()
     shard = Subset(val_set, range(rank, len(val_set), world_size))
     options = loader_options(val_set, args, device)
     return DataLoader(shard, batch_size=args.batch_size, **options)
+
+
+def stream_shards(stream, checkpoint, args, say=False):
+    """How many sub-streams a stream is read as (None: whole, by every reader): its
+    n_shards, where it has shard() and at least one shard per process; a resumed
+    run's, as its checkpoint says. `say`: in one line, where readers idle or read all."""
+    if checkpoint is not None:
+        return checkpoint["stream_shards"]
+    world_size = dist.get_world_size()
+    readers = world_size * max(args.num_workers, 1)
+    n = getattr(stream, "n_shards", 0) if hasattr(stream, "shard") else 0
+    if say and n < readers > 1:
+        has = f"{n} shards" if hasattr(stream, "shard") else "no shard()"
+        how = f"{readers - n} idle" if n >= world_size else "each reads all of it"
+        print0(f"note: the training stream has {has}, {readers} readers: {how}")
+    return n if n >= world_size else None
 
 
 class ResumableSampler(Sampler):
@@ -135,66 +151,129 @@ class ResumableSampler(Sampler):
 
 
 class StreamShard(IterableDataset):
-    """DDP change 2 for a stream (an IterableDataset, from build_datasets): this
-    rank's share of it, cut as DistributedSampler and BatchSampler cut a map-style
-    set (the stream shuffles itself, or not). Each pass is read in blocks of
-    world_size x batch_size items, one step of every rank; a rank takes every
-    world_size-th item of a block from its rank on, and its DataLoader worker w the
-    blocks w, w + workers, ... So within a pass every item is used once, a global
-    batch is the same items for any number of processes and workers, and every rank
-    takes the same steps: where the last block leaves a rank nothing, it takes a
-    stand-in step on other items that weighs nothing (lockstep, where every rank must
-    take every step).
+    """DDP change 2 for a stream (an IterableDataset, from build_datasets): what one
+    reader reads of it, a DataLoader worker or the process itself (of processes x
+    workers readers). Each item has a place in the pass. A stream that can be split
+    by shard (n_shards and shard(), as Hugging Face's) is read as `shards` sub-streams,
+    the n-th item of sub-stream c in place n x shards + c, and reader r reads the
+    sub-streams r, r + readers, ... alone. Another stream is read whole by every
+    reader, its n-th item in place n. A pass is cut into blocks of processes x
+    batch_size places, one micro-batch of every process: of a whole stream's block,
+    a process takes every processes-th item, as DistributedSampler does, its workers
+    taking turns. So each item of a pass is used once, and the items of a global batch
+    depend on the stream and `shards` alone, never on the processes or workers.
 
-    Every reader (rank and worker) reads the whole stream and skips the items of the
-    others: keep them cheap to read, and decode in the dataset's collate_fn, which
-    runs on a reader's own items only. A resume starts a pass in the middle: a stream
-    with state_dict() and load_state_dict() goes there at once, another is read up to
-    there again."""
+    A reader yields its part of every block, without end, with whether it has run out
+    and, at an update's end, each sub-stream's state_dict() there (where it has one).
+    A resume starts a pass at a place: a sub-stream with load_state_dict() goes there
+    at once; another is read up to there, by its reader only."""
 
-    def __init__(self, stream, batch_size, lockstep, keep_state=False):
-        self.stream, self.batch_size, self.lockstep = stream, batch_size, lockstep
-        self.keep_state = keep_state  # training: rank 0's batches carry the state
+    def __init__(self, stream, args, shards, every=0):
+        self.stream, self.shards, self.every = stream, shards, every
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.collate = getattr(stream, "collate_fn", None) or default_collate
-        self.epoch, self.start, self.state = 0, 0, None
+        self.width = self.world_size * args.batch_size  # places in a block
+        self.workers = max(args.num_workers, 1)
+        self.epoch, self.start, self.states = 0, 0, {}
 
     def set_epoch(self, epoch, samples=0, state=None):
-        """Pass `epoch`, after `samples` of its items, where the stream's
-        state_dict() was `state` (if it has one)."""
-        self.epoch, self.start, self.state = epoch, samples, state
+        """Pass `epoch`, from place `samples` on, where the sub-streams' states were
+        `state` ({sub-stream: its state_dict(), or True: it had run out})."""
+        self.epoch, self.start, self.states = epoch, samples, state or {}
 
     def __iter__(self):
         info = get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        # This reader reads the whole stream: hide the workers from a stream that
+        worker = info.id if info else 0
+        # A reader reads its sub-streams whole: hide the workers from a stream that
         # would split itself among them (as Hugging Face's does).
         torch.utils.data._utils.worker._worker_info = None
-        stream, width = self.stream, self.world_size * self.batch_size
-        if hasattr(stream, "set_epoch"):
-            stream.set_epoch(self.epoch)
-        if self.state is not None and hasattr(stream, "load_state_dict"):
-            stream.load_state_dict(self.state)
-            items = iter(stream)
+        reader, owned = self.rank * self.workers + worker, [0]  # [0]: a whole stream
+        if self.shards:
+            owned = range(reader, self.shards, self.world_size * self.workers)
+        subs = [self.read(c) for c in owned]
+        heads = [next(sub) for sub in subs]  # each one's next (place, item, state)
+        for block in itertools.count(1):
+            end, part = self.start + block * self.width, []
+            for i, sub in enumerate(subs):
+                while heads[i][0] < end:
+                    place, item, _ = heads[i]
+                    k = (place - self.start) % self.width  # a whole stream's: whose?
+                    whose = k % self.world_size, k // self.world_size % self.workers
+                    if self.shards or whose == (self.rank, worker):
+                        part.append(item)
+                    heads[i] = next(sub)
+            done = all(place == math.inf for place, _, _ in heads)
+            yield part, done, {c: state for c, (*_, state) in zip(owned, heads)}
+
+    def read(self, c):
+        """Sub-stream c from the pass's start on, as (place, item, state), and at its
+        end (inf, None, True); state: its state_dict() before the item was read, where
+        an update ends between it and the item before (else None)."""
+        step, state = self.shards or 1, self.states.get(c)  # items `step` places apart
+        sub = self.stream.shard(self.shards, c) if self.shards else self.stream
+        if hasattr(sub, "set_epoch"):
+            sub.set_epoch(self.epoch)
+        n = max(0, -(-(self.start - c) // step))  # its items before the start
+        if state is True:  # it had run out
+            sub = items = ()
+        elif state is not None and hasattr(sub, "load_state_dict"):
+            sub.load_state_dict(state)
+            items = iter(sub)
         else:
-            items = itertools.islice(stream, self.start, None)  # read up to there
-        # Rank 0's batches carry the state a checkpoint after them keeps.
-        keep = self.keep_state and self.rank == 0 and hasattr(stream, "state_dict")
-        position, pending = self.start, None
-        for step in itertools.count():
-            state = copy.deepcopy(stream.state_dict()) if keep and pending else None
-            block = list(itertools.islice(items, width))
-            if pending:  # the previous block's: now known to end the pass or not
-                yield (*pending, not block, state) if self.lockstep else pending[0]
-            if not block:
+            items = itertools.islice(sub, n, None)  # read up to there
+        span = self.width * self.every or math.inf  # places in an update
+        ends = self.start + span  # where the update of the item before ends
+        for place in itertools.count(n * step + c, step):
+            keep = place >= ends and hasattr(sub, "state_dict")
+            state = copy.deepcopy(sub.state_dict()) if keep else None
+            if (item := next(items, StreamShard)) is StreamShard:  # none left
+                yield math.inf, None, True
                 return
-            position += len(block)
-            share = block[self.rank :: self.world_size]
-            pending = None
-            if step % workers == worker and (share or self.lockstep):
-                # No share in the last block: a stand-in, other items of the block.
-                batch = self.collate(share or block[: self.batch_size])
-                pending = (batch, bool(share), position)
+            yield place, item, state
+            ends = self.start + ((place - self.start) // span + 1) * span
+
+
+class StreamLoader(DataLoader):
+    """A stream's micro-batches on this rank: its readers' parts of each block (from
+    the workers in turn), gathered and collated, the whole micro-batch at once. With
+    lockstep (training; FSDP2's validation), where every rank takes every step, as
+    (batch, real, places done after it, last: the pass ends there for every rank,
+    more: this rank has items after it, states) for every block, a stand-in that
+    weighs nothing (real False) where this rank has no items; a stream read by shard
+    goes on until the caller learns that no rank has more. Without lockstep, the
+    batches alone, until this rank's readers have run out."""
+
+    def __init__(self, shard, args, device, lockstep):
+        options = loader_options(shard.stream, args, device)
+        collate, self.lockstep = options["collate_fn"] or default_collate, lockstep
+        if options["pin_memory"]:  # pinned here, once collated
+            self.collate = lambda items: pin_memory(collate(items))
+        else:
+            self.collate = collate
+        options.update(collate_fn=tuple, pin_memory=False)  # parts pass as they are
+        super().__init__(shard, batch_size=None, **options)
+
+    def __iter__(self):
+        shard, parts = self.dataset, super().__iter__()
+        place, batch = shard.start, None
+        while True:
+            got = [next(parts) for _ in range(shard.workers)]
+            items = [item for part, _, _ in got for item in part]
+            more = not all(done for _, done, _ in got)
+            states = {c: state for *_, kept in got for c, state in kept.items()}
+            place += shard.width
+            last = not (more or shard.shards)  # a stream read whole ends everywhere
+            if items:  # (the latest batch stands in where this rank has none)
+                batch = self.collate(items)
+            elif self.lockstep and batch is None:  # none yet: one item to stand in
+                if not (first := list(itertools.islice(shard.stream, 1))):
+                    return  # an empty stream
+                batch = self.collate(first)
+            if self.lockstep:
+                yield batch, bool(items), place, last, more, states
+            elif items:
+                yield batch
+            if last or not (more or self.lockstep):
+                return
 
 
 def loader_worker_init(trainer, held, worker_id):

@@ -112,5 +112,6 @@ from torch.utils.data import (
     get_worker_info,
 )
 {% endif %}
+from torch.utils.data._utils.pin_memory import pin_memory
 from tqdm import tqdm
 

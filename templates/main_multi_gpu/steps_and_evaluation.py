@@ -29,24 +29,25 @@ class LossSums:
 class Step(nn.Module):
     """{{ par.step_host }}: the model, and a training step (compute_loss) as
     the forward pass, so that {{ par.step_sees }} every parameter a step uses; and `units`,
-    a parameter, zero: each micro-batch adds its sum times n to its loss, so the
-    gradients' reduction brings the mean n per rank (in each element: one per rank,
-    so that FSDP2 shards it evenly)."""
+    a parameter, zero: each micro-batch adds its column 0's sum times n to its loss,
+    and an update's last its column 1's times `more` (whether this rank has stream
+    items after it), so the gradients' reduction brings the mean n and the mean
+    `more` per rank (in each row: one per rank, so that FSDP2 shards it evenly)."""
 
     def __init__(self, model):
         super().__init__()
         self.model = model
-        self.units = nn.Parameter(torch.zeros(dist.get_world_size()))
+        self.units = nn.Parameter(torch.zeros(dist.get_world_size(), 2))
 
-    def forward(self, batch, real, turn):
-        """compute_loss's (loss, n) for one micro-batch, and units x n."""
+    def forward(self, batch, real, turn, more=False):
+        """compute_loss's (loss, n) for one micro-batch, and what its units add."""
         out = compute_loss(self.model, batch, *turn)
         loss, n = out if isinstance(out, tuple) and len(out) == 2 else (None, 0)
         if not (torch.is_tensor(loss) and loss.dim() == 0):
             expected = "(loss, n): the mean loss over n units, a tensor of shape ()"
             raise returned("compute_loss", out, expected)
         n = n if real else 0  # a stand-in batch at a stream's end weighs nothing
-        return loss, n, self.units.sum() * n
+        return loss, n, self.units[:, 0].sum() * n + self.units[:, 1].sum() * more
 {% if fsdp %}
 
     def metrics(self, batch):
@@ -64,11 +65,12 @@ def update(t, turn):
     # units per rank (over all ranks), so that every update follows the mean loss
     # over all units of the global batch, for any processes and --grad-accum.
 {% if fsdp %}
-    units = t.sharded.units.grad.to_local()  # reduce-scattered: this rank's element
+    units = t.sharded.units.grad.to_local()  # reduce-scattered: this rank's row
 {% else %}
-    units = t.ddp_model.module.units.grad  # every element: the mean units per rank
+    units = t.ddp_model.module.units.grad  # every row: the mean units, and `more`
 {% endif %}
-    units = units[0].double().clamp(min=1 / dist.get_world_size())  # 0 / 0: 0
+    t.more = units[0, 1]  # > 0: some rank has stream items after this update
+    units = units[0, 0].double().clamp(min=1 / dist.get_world_size())  # 0 / 0: 0
     for optimizer in optimizers:  # --amp fp16: the true gradients, for clipping
         t.scaler.unscale_(optimizer)
     grads = [p.grad for p in params if p.grad is not None]
@@ -187,13 +189,17 @@ def evaluate(model, loader, device):
 
 
 {% if fsdp %}
-def lockstep(loader):
+def lockstep(loader, device):
     """FSDP2: this rank's validation batches as (batch, real), where each forward
     gathers the parameters from every rank: so every rank takes as many as the rank
     with the most, the others padding with stand-ins (real False) that count nothing."""
-    if isinstance(loader.dataset, StreamShard):  # a stream: it pads itself
-        for batch, real, *_ in loader:
+    if isinstance(loader, StreamLoader):  # a stream: until no rank has more
+        for batch, real, _, _, more, _ in loader:
             yield batch, real
+            more = torch.tensor(float(more), device=device)
+            dist.all_reduce(more)
+            if not more.item():
+                return
         return
     shard = loader.dataset  # every world_size-th sample of the set, from this rank's
     most = math.ceil(len(shard.dataset) / dist.get_world_size())  # rank 0's

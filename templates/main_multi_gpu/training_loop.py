@@ -276,7 +276,8 @@ def train_pass(t, at, reports):
     # An update steps every optimizer; with ALTERNATE, each in its own turn.
     turns = [(name,) for name in t.optimizers] if ALTERNATE else [()]
     micro, held = 0, []  # micro-batches of this pass in this run; of this update
-    for batch, real, position, last, state in reports.batches(pass_data(t, at), at):
+    data = pass_data(t, at)
+    for batch, real, position, last, more, state in reports.batches(data, at):
         if micro % args.grad_accum == 0:  # an update begins (its batch fetched)
             reseed(seed + at.step * dist.get_world_size(), device)
         held.append((to_device(batch, device), real))
@@ -286,19 +287,23 @@ def train_pass(t, at, reports):
             continue  # every turn trains on all the update's micro-batches: held
         for turn in turns:
             for i, (batch, real) in enumerate(held, 1):
-                loss, n = backward(t, batch, real, turn, sync and i == len(held))
+                end = sync and i == len(held)  # the update's last micro-batch
+                loss, n = backward(t, batch, real, turn, end, end and more)
                 if turn == turns[0]:  # train_loss is the first turn's
                     t.sums.add(loss, n)
             if sync:
                 update(t, turn)
         held = []
         if sync:
+            # Where this rank's stream shards ran out: has any rank's not? The news
+            # came with the gradients (see Step): a wait here, at a pass's end only.
+            last = last or not (more or t.more.item())
             at.step, at.samples, at.stream = at.step + 1, position, state
             if last:  # the pass is done
                 at.epoch, at.samples, at.stream = at.epoch + 1, 0, None
             if after_update(t, at, reports, last):
                 return True
-            if at.step == args.max_steps:
+            if last or at.step == args.max_steps:
                 return False
     if not micro:
         raise failure("error: build_datasets() returned an empty training stream")
@@ -313,9 +318,10 @@ def reseed(seed, device):
         torch.cuda.default_generators[device.index].manual_seed(seed)
 
 
-def backward(t, batch, real, turn, sync):
+def backward(t, batch, real, turn, sync, more):
     """One micro-batch's forward and backward pass (sync: the update's last, whose
-    gradients are averaged over the ranks). Returns its loss and units."""
+    gradients are averaged over the ranks; more: it is, and this rank has stream
+    items after it). Returns its loss and units."""
     args, device = t.args, t.device
 {{ par.train_step() }}
     return loss, n
@@ -324,7 +330,7 @@ def backward(t, batch, real, turn, sync):
 def pass_data(t, at):
     """This rank's batches of the pass from `at` on, each as (batch, real: False for
     a stand-in, the pass's samples done after it over all ranks, whether it ends the
-    pass, the stream's state_dict() there or None)."""
+    pass, whether this rank has more, a stream's states there or None)."""
     # DDP change 2: a new shuffle each pass, the same on every rank. Without this
     # call every pass repeats the first one's order.
 {% if cookiecutter.use_batch_sampler %}
@@ -332,13 +338,13 @@ def pass_data(t, at):
 {% endif %}
     t.train_data.set_epoch(at.epoch, at.samples, at.stream)
     if isinstance(t.train_data, StreamShard):
-        yield from t.train_loader  # it says all of that itself
+        yield from t.train_loader  # it says all of that itself (see StreamLoader)
         return
     start, per_step = at.samples, t.args.batch_size * dist.get_world_size()
     total = len(t.train_data.sampler) * dist.get_world_size()  # padded to equal shares
     steps = len(t.train_loader)
     for j, batch in enumerate(t.train_loader, 1):
-        yield batch, True, min(start + j * per_step, total), j == steps, None
+        yield batch, True, min(start + j * per_step, total), j == steps, j < steps, None
 
 
 def after_update(t, at, reports, last):

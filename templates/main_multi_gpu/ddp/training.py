@@ -52,7 +52,7 @@ CHANNELS_LAST = True  # on GPUs, 2-D convolutions in NHWC: faster
     # micro-batch of each update only; no_sync() skips it for the others.
     with contextlib.nullcontext() if sync else t.ddp_model.no_sync():
         with torch.autocast(device.type, AMP_DTYPES[args.amp], args.amp != "none"):
-            loss, n, counted = t.ddp_model(batch, real, turn)  # see Step
+            loss, n, counted = t.ddp_model(batch, real, turn, more)  # see Step
         # The loss summed over the batch's n units, at the usual scale (n / batch
         # size is 1 for a per-sample loss); update() divides by the global units,
         # which the all-reduce brings with the gradients (`counted`: zero).

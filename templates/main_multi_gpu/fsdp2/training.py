@@ -56,7 +56,7 @@ RANK_0_WRITES_REPLICAS = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
     # backward pass of the last micro-batch of each update only.
     t.sharded.set_requires_gradient_sync(sync)
     with torch.autocast(device.type, AMP_DTYPES[args.amp], args.amp != "none"):
-        loss, n, counted = t.train_model(batch, real, turn)  # see Step
+        loss, n, counted = t.train_model(batch, real, turn, more)  # see Step
     # The loss summed over the batch's n units, at the usual scale (n / batch size is
     # 1 for a per-sample loss); update() divides by the global units, which the
     # reduce-scatter brings with the gradients (`counted`: zero).
@@ -154,7 +154,7 @@ def precision(module, args):
 {%- endmacro %}
 
 {% macro evaluate_batches() %}
-    for batch, real in lockstep(loader):
+    for batch, real in lockstep(loader, device):
         WATCH.beat()
         metrics = model.metrics(to_device(batch, device))
         if not real:
