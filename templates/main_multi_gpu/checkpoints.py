@@ -272,9 +272,8 @@ def resume_position(t, at, saved_batch):
             again = f"every reader reads its first {at.samples} items again"
             if shards:
                 again = f"each of its {shards} shards is read again, by one reader,"
-            print0(
-                f"resume: the training stream has no state_dict(), so {again} to get there"
-            )
+            line = "resume: the training stream has no state_dict(), so"
+            print0(f"{line} {again} to get there")
     elif again := at.samples % (args.batch_size * world_size):
         print0(f"resume: {again} samples of this pass are trained again")
         at.samples -= again

@@ -117,7 +117,7 @@ def build_val_loader(val_set, args, device):
 def stream_shards(stream, checkpoint, args, say=False):
     """How many sub-streams a stream is read as (None: whole, by every reader): its
     n_shards, where it has shard() and at least one shard per process; a resumed
-    run's, as its checkpoint says. `say`: in one line, where readers idle or read all."""
+    run's, as its checkpoint says. say: in one line where readers idle or read all."""
     if checkpoint is not None:
         return checkpoint["stream_shards"]
     world_size = dist.get_world_size()
@@ -186,9 +186,10 @@ class StreamShard(IterableDataset):
         # A reader reads its sub-streams whole: hide the workers from a stream that
         # would split itself among them (as Hugging Face's does).
         torch.utils.data._utils.worker._worker_info = None
-        reader, owned = self.rank * self.workers + worker, [0]  # [0]: a whole stream
+        owned = [0]  # a stream read whole; else every processes-th sub-stream, in turn
         if self.shards:
-            owned = range(reader, self.shards, self.world_size * self.workers)
+            first = self.rank + self.world_size * worker
+            owned = range(first, self.shards, self.world_size * self.workers)
         subs = [self.read(c) for c in owned]
         heads = [next(sub) for sub in subs]  # each one's next (place, item, state)
         for block in itertools.count(1):
@@ -214,7 +215,7 @@ class StreamShard(IterableDataset):
             sub.set_epoch(self.epoch)
         n = max(0, -(-(self.start - c) // step))  # its items before the start
         if state is True:  # it had run out
-            sub = items = ()
+            sub, items = (), iter(())
         elif state is not None and hasattr(sub, "load_state_dict"):
             sub.load_state_dict(state)
             items = iter(sub)
