@@ -12,6 +12,7 @@ import subprocess
 import time
 
 import pytest
+from test_shards import SHARDS
 
 from conftest import (
     act_after_step,
@@ -22,6 +23,7 @@ from conftest import (
     load_weights,
     max_difference,
     needs_netns,
+    replace_user_functions,
     run_warm,
     without_batchnorm,
 )
@@ -157,13 +159,15 @@ def seconds_to_train_again(job, since, timeout=60):
     return time.monotonic() - since
 
 
-def lose_host_mid_run(job, three, lost_host, marker, how="killed", *args):
+def lose_host_mid_run(job, three, lost_host, marker, how="killed", *args, at="1:0"):
     """Start the three hosts; when the rank on `lost_host` (its rank too) has done
-    update 5 (the last save: update 4), kill every process there, or cut its network
-    (its link down: the others get no word of it). Returns when."""
+    update 5 (`at`, pass:step, says another; the last save: update 4), kill every
+    process there, or cut its network (its link down: the others get no word of it).
+    Returns when."""
     action = f"open({str(marker)!r}, 'w').close(); time.sleep(60)"
     for index in range(3):
-        job.start(index, *args, TEST_ACT_AT=f"{lost_host}:1:0", TEST_ACTION=action)
+        here = f"{lost_host}:{at}"
+        job.start(index, *args, TEST_ACT_AT=here, TEST_ACTION=action)
     wait_for(marker, job)
     namespace = three[lost_host][0]
     if how == "killed":
@@ -286,3 +290,31 @@ def test_with_rdzv_file_the_rendezvous_host_may_go(project, straight, tmp_path):
     assert_same_end(out, straight(3))
     assert output.count(KEPT) == 1, output
     print(f"lost host 0 (RDZV_FILE): training again after {took:.1f} s")
+
+
+@needs_netns
+def test_a_lost_host_on_a_stream_read_by_shard_ends_as_a_straight_run(tmp_path):
+    """The 16 uneven shards of test_shards.py, one pass (168 rows in 288 places: 12
+    updates of 24); host 2 killed after update 7 (the last save: update 6, mid-pass).
+    Hosts 0 and 1 go on as 2 x 6 x grad-accum 2, each shard's reader now one of
+    theirs, which reads it up to there (the shards have no state_dict()), and end as
+    the straight run on three processes."""
+    project = bake(tmp_path / "shards", nodes="multi")
+    replace_user_functions(project, SHARDS)
+    act_after_step(project)
+    args = ("--max-steps", "12")
+    run_warm(project, tmp_path / "straight", 3, *ARGS, *args)
+    out = tmp_path / "out"
+    with hosts(3) as three:
+        job = Job(project, out, three)
+        lost = lose_host_mid_run(
+            job, three, 2, tmp_path / "lost", "killed", *args, at="0:6"
+        )
+        seconds_to_train_again(job, lost)
+        codes = [job.wait(index) for index in (0, 1)]
+        output = job.logs()
+    assert codes == [0, 0], output
+    assert_same_end(out, load_weights(tmp_path / "straight" / "model_final.pt"))
+    assert output.count(KEPT) == 1, output
+    again = "so each of its 16 shards is read again, by one reader, to get there"
+    assert output.count(again) == 1 and "in epoch 1 after 12 batches" in output, output
