@@ -151,9 +151,13 @@ def main():
     print(f"\n{'data':8} {'samples/s':>10} {'/ map':>7}   runs")
     for kind in kinds:
         runs = ", ".join(f"{r:.0f}" for r in rates[kind])
-        print(f"{kind:8} {median[kind]:10.0f} {median[kind] / median['map']:7.3f}   {runs}")
+        print(
+            f"{kind:8} {median[kind]:10.0f} {median[kind] / median['map']:7.3f}   {runs}"
+        )
     ratio = median["shards"] / median["map"]
-    print(f"goal: shards / map >= 0.9: {ratio:.3f} - {'holds' if ratio >= 0.9 else 'missed'}")
+    print(
+        f"goal: shards / map >= 0.9: {ratio:.3f} - {'holds' if ratio >= 0.9 else 'missed'}"
+    )
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"
     results = {
         "machine": machine,
