@@ -126,6 +126,8 @@ assert "def state_dict" in SEEKABLE and "self.done = seed, files, 0, 0" in SEEKA
 PASS = 168  # rows a pass
 UPDATES = 18  # updates of 16 a pass
 RUN = ["--lr", "0.01", "--max-steps", str(2 * UPDATES), "--eval-every", "9"]
+# 4 evaluations (updates 9, 18, 27, 36) of the 8 validation shards, each row once.
+VALIDATED = sorted((f, i) for f in range(8) for i in range(3 + f) for _ in range(4))
 SIGTERM = "os.killpg(os.getpgrp(), signal.SIGTERM)"
 KILL = "os.kill(os.getpid(), signal.SIGKILL)"
 
@@ -168,6 +170,7 @@ def test_each_row_is_read_once_a_pass_for_any_processes_and_workers(tmp_path):
         assert sorted(passes) == [0, 1], name
         for rows in passes.values():  # once each, in all: no reader reads all
             assert len(rows) == PASS and every_row_once(rows), name
+        assert sorted(reads(log, seed=1)[0]) == VALIDATED, name
         if workers:  # 16 shards for 2 or 4 readers: none idle, none reads all
             assert "note: the training stream" not in output, output
     weights = [final(tmp_path / name) for name in runs]
@@ -181,6 +184,23 @@ def test_each_row_is_read_once_a_pass_for_any_processes_and_workers(tmp_path):
         values = [[float(row[key]) for row in rows[name]] for name in runs]
         assert values[1] == pytest.approx(values[0], abs=1e-5), key
         assert values[2] == pytest.approx(values[0], abs=1e-5), key
+
+
+def test_fsdp2_reads_each_row_once_and_evaluates_exactly(tmp_path):
+    """parallelism=fsdp2, whose evaluation takes every forward on every process: a
+    process whose validation shards ran out takes stand-ins until none has more."""
+    project = shards_project(tmp_path, "fsdp2", SHARDS, parallelism="fsdp2")
+    log = tmp_path / "reads.log"
+    runs = {"2x2": (2, 8, 2), "1x0": (1, 16, 0)}
+    for name, (nproc, batch, workers) in runs.items():
+        args = [*RUN, "--batch-size", str(batch), "--num-workers", str(workers)]
+        run_warm(project, tmp_path / name, nproc, *args, env={"READ_LOG": str(log)})
+        assert all(every_row_once(rows) for rows in reads(log).values()), name
+        assert sorted(reads(log, seed=1)[0]) == VALIDATED, name
+        log.unlink()
+    assert max_difference(final(tmp_path / "2x2"), final(tmp_path / "1x0")) < 1e-5
+    rows = [[row["val_loss"] for row in metrics(tmp_path / name)] for name in runs]
+    assert [float(v) for v in rows[0]] == pytest.approx([float(v) for v in rows[1]])
 
 
 @pytest.fixture(scope="module")

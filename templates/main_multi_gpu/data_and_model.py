@@ -237,19 +237,18 @@ class StreamLoader(DataLoader):
     """A stream's micro-batches on this rank: its readers' parts of each block (from
     the workers in turn), gathered and collated, the whole micro-batch at once. With
     lockstep (training; FSDP2's validation), where every rank takes every step, as
-    (batch, real, places done after it, last: the pass ends there for every rank,
-    more: this rank has items after it, states) for every block, a stand-in that
-    weighs nothing (real False) where this rank has no items; a stream read by shard
-    goes on until the caller learns that no rank has more. Without lockstep, the
-    batches alone, until this rank's readers have run out."""
+    (batch, real, places done after it, more: this rank has items after it, states)
+    for every block, a stand-in that weighs nothing (real False) where this rank has
+    no items: a stream read whole ends for every rank at once, one read by shard goes
+    on until the caller learns that no rank has more. Without lockstep, the batches
+    alone, until this rank's readers have run out."""
 
     def __init__(self, shard, args, device, lockstep):
         options = loader_options(shard.stream, args, device)
-        collate, self.lockstep = options["collate_fn"] or default_collate, lockstep
-        if options["pin_memory"]:  # pinned here, once collated
-            self.collate = lambda items: pin_memory(collate(items))
-        else:
-            self.collate = collate
+        collate = options["collate_fn"] or default_collate
+        # Pinned (on GPUs) here, once collated.
+        pin = pin_memory if options["pin_memory"] else lambda batch: batch
+        self.collate, self.lockstep = lambda items: pin(collate(items)), lockstep
         options.update(collate_fn=tuple, pin_memory=False)  # parts pass as they are
         super().__init__(shard, batch_size=None, **options)
 
@@ -262,7 +261,6 @@ class StreamLoader(DataLoader):
             more = not all(done for _, done, _ in got)
             states = {c: state for *_, kept in got for c, state in kept.items()}
             place += shard.width
-            last = not (more or shard.shards)  # a stream read whole ends everywhere
             if items:  # (the latest batch stands in where this rank has none)
                 batch = self.collate(items)
             elif self.lockstep and batch is None:  # none yet: one item to stand in
@@ -270,10 +268,10 @@ class StreamLoader(DataLoader):
                     return  # an empty stream
                 batch = self.collate(first)
             if self.lockstep:
-                yield batch, bool(items), place, last, more, states
+                yield batch, bool(items), place, more, states
             elif items:
                 yield batch
-            if last or not (more or self.lockstep):
+            if not (more or self.lockstep and shard.shards):  # read whole: all end
                 return
 
 

@@ -194,7 +194,7 @@ def lockstep(loader, device):
     gathers the parameters from every rank: so every rank takes as many as the rank
     with the most, the others padding with stand-ins (real False) that count nothing."""
     if isinstance(loader, StreamLoader):  # a stream: until no rank has more
-        for batch, real, _, _, more, _ in loader:
+        for batch, real, _, more, _ in loader:
             yield batch, real
             more = torch.tensor(float(more), device=device)
             dist.all_reduce(more)

@@ -276,13 +276,13 @@ def train_pass(t, at, reports):
     # An update steps every optimizer; with ALTERNATE, each in its own turn.
     turns = [(name,) for name in t.optimizers] if ALTERNATE else [()]
     micro, held = 0, []  # micro-batches of this pass in this run; of this update
-    data = pass_data(t, at)
-    for batch, real, position, last, more, state in reports.batches(data, at):
+    apart = getattr(t.train_data, "shards", None)  # read by shard: ranks end apart
+    for batch, real, position, more, state in reports.batches(pass_data(t, at), at):
         if micro % args.grad_accum == 0:  # an update begins (its batch fetched)
             reseed(seed + at.step * dist.get_world_size(), device)
         held.append((to_device(batch, device), real))
         micro += 1
-        sync = micro % args.grad_accum == 0 or last
+        sync = micro % args.grad_accum == 0 or not (more or apart)  # or at the end
         if ALTERNATE and not sync:
             continue  # every turn trains on all the update's micro-batches: held
         for turn in turns:
@@ -297,7 +297,7 @@ def train_pass(t, at, reports):
         if sync:
             # Where this rank's stream shards ran out: has any rank's not? The news
             # came with the gradients (see Step): a wait here, at a pass's end only.
-            last = last or not (more or t.more.item())
+            last = not (more or apart and t.more.item())
             at.step, at.samples, at.stream = at.step + 1, position, state
             if last:  # the pass is done
                 at.epoch, at.samples, at.stream = at.epoch + 1, 0, None
@@ -329,8 +329,8 @@ def backward(t, batch, real, turn, sync, more):
 
 def pass_data(t, at):
     """This rank's batches of the pass from `at` on, each as (batch, real: False for
-    a stand-in, the pass's samples done after it over all ranks, whether it ends the
-    pass, whether this rank has more, a stream's states there or None)."""
+    a stand-in, the pass's samples done after it over all ranks, whether this rank has
+    more, a stream's states there or None)."""
     # DDP change 2: a new shuffle each pass, the same on every rank. Without this
     # call every pass repeats the first one's order.
 {% if cookiecutter.use_batch_sampler %}
@@ -344,7 +344,7 @@ def pass_data(t, at):
     total = len(t.train_data.sampler) * dist.get_world_size()  # padded to equal shares
     steps = len(t.train_loader)
     for j, batch in enumerate(t.train_loader, 1):
-        yield batch, True, min(start + j * per_step, total), j == steps, j < steps, None
+        yield batch, True, min(start + j * per_step, total), j < steps, None
 
 
 def after_update(t, at, reports, last):
