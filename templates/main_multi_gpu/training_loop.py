@@ -183,7 +183,7 @@ class Training(types.SimpleNamespace):
       build_optimizer()'s one is named ""
     - scaler: --amp fp16's loss scaler (otherwise it does nothing)
     - train_data: what places a pass: a ResumableSampler, or a StreamShard
-    - train_loader, val_loader: the DataLoaders
+    - train_loader, val_loader: the DataLoaders (StreamLoaders for streams)
     - steps_per_pass: micro-batches per pass and rank (None: a stream's, unknown)
     - total_updates: optimizer updates in the whole run
     - sums: the LossSums of the training since the last evaluation
