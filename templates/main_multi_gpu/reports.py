@@ -32,16 +32,11 @@ class Reports(contextlib.ExitStack):
                 self.writer = SummaryWriter(out_dir / "tensorboard")
                 self.callback(self.writer.close)
         if self.is_main and t.args.profile_steps:  # its trace is written as it stops
-            self.profiler = self.enter_context(
-                torch.profiler.profile(
-                    schedule=torch.profiler.schedule(
-                        wait=1, warmup=1, active=t.args.profile_steps, repeat=1
-                    ),
-                    on_trace_ready=torch.profiler.tensorboard_trace_handler(
-                        str(out_dir / "profile")
-                    ),
-                )
-            )
+            steps = t.args.profile_steps
+            schedule = torch.profiler.schedule(wait=1, warmup=1, active=steps, repeat=1)
+            trace = torch.profiler.tensorboard_trace_handler(str(out_dir / "profile"))
+            profiler = torch.profiler.profile(schedule=schedule, on_trace_ready=trace)
+            self.profiler = self.enter_context(profiler)
 
     def began(self, *_):
         self.step_began = self.mark()
