@@ -5,7 +5,6 @@ def snapshot(t, at):
     """Everything a resume needs: the state at `at`. (Every rank calls it: the loss
     sums since the last evaluation are added up over the ranks.)"""
     args, world_size = t.args, dist.get_world_size()
-    sums = t.sums.totals()
     return {
 {{ saving.snapshot_tensors() }}
         "scheduler": packed({k: s and s.state_dict() for k, s in t.schedulers.items()}),
@@ -15,7 +14,7 @@ def snapshot(t, at):
         "epoch_samples": at.samples,  # of the pass under way, over all ranks
         "step": at.step,  # optimizer updates done
         "stream": at.stream,  # the training stream's state_dict() there, or None
-        "train_sums": list(sums),  # loss sum and units since the last evaluation
+        "train_sums": list(t.sums.totals()),  # loss sum and units, over all ranks
         "global_batch": [world_size, args.batch_size, args.grad_accum],
         "total_updates": t.total_updates,
 {% if strategy == "best" %}
@@ -118,13 +117,11 @@ def load_shared(path, device, verb):
         lines = [line for line in str(err).splitlines() if line.strip()] or [repr(err)]
         # weights_only says why in one of its lines: "unsupported GLOBAL posix.system"
         # (a pickle that would run code: refused), or "Unsupported operand" (no pickle).
-        says = ("GLOBAL" in line or line.startswith("Unsupported") for line in lines)
-        cause = next((line for line, why in zip(lines, says) if why), lines[0])
-        if "GLOBAL" in cause:
-            message = f"refused by weights_only=True ({cause.rstrip('.')})"
-        else:
-            message = f"not a checkpoint ({cause.rstrip('.')})"
-        raise failure(f"error: cannot {verb} {path}: {message}") from err
+        says = (s for s in lines if "GLOBAL" in s or s.startswith("Unsupported"))
+        cause = next(says, lines[0]).rstrip(".")
+        refused = "GLOBAL" in cause  # a pickle's code, not a broken file
+        why = "refused by weights_only=True" if refused else "not a checkpoint"
+        raise failure(f"error: cannot {verb} {path}: {why} ({cause})") from err
     return loaded
 
 
