@@ -29,8 +29,7 @@ class Reports(contextlib.ExitStack):
                     "error: --tensorboard needs TensorBoard: pip install tensorboard"
                 ) from err
             if self.is_main:
-                self.writer = SummaryWriter(out_dir / "tensorboard")
-                self.callback(self.writer.close)
+                self.writer = self.enter_context(SummaryWriter(out_dir / "tensorboard"))
         if self.is_main and t.args.profile_steps:  # its trace is written as it stops
             steps = t.args.profile_steps
             schedule = torch.profiler.schedule(wait=1, warmup=1, active=steps, repeat=1)
@@ -163,8 +162,7 @@ class Reports(contextlib.ExitStack):
         if self.writer:
             for key, value in row.items():
                 self.writer.add_scalar(key, value, row["step"])
-        args = self.t.args
-        epoch, step = row.pop("epoch"), row.pop("step")
+        args, epoch, step = self.t.args, row.pop("epoch"), row.pop("step")
         if args.max_steps:
             head = f"step {step}/{args.max_steps}  epoch {epoch}"
         else:
