@@ -156,25 +156,22 @@ class HangWatch:
         faulthandler.cancel_dump_traceback_later()
 
     def watch(self):
+        last, since = None, time.monotonic()
         try:
-            self.poll()
+            while not self.done.wait(1.0):
+                # If this thread cannot run (a C call holding the GIL), faulthandler
+                # prints every thread's stack and ends the process in its place.
+                faulthandler.dump_traceback_later(self.timeout + 30, exit=True)
+                frame = main_frame()  # the same line, for long: no progress either
+                now = (self.beats, frame.f_code, frame.f_lineno)
+                if now != last:
+                    last, since = now, time.monotonic()
+                elif time.monotonic() - since > self.timeout:
+                    self.store.set("declared", str(self.rank))
+                if self.store.check(["declared"]):
+                    return self.report()
         except dist.DistError:  # the store went with its host (rank 0, a launcher),
             faulthandler.cancel_dump_traceback_later()  # which ends this rank too
-
-    def poll(self):
-        last, since = None, time.monotonic()
-        while not self.done.wait(1.0):
-            # If this thread cannot run (a C call holding the GIL), faulthandler
-            # prints every thread's stack and ends the process in its place.
-            faulthandler.dump_traceback_later(self.timeout + 30, exit=True)
-            frame = main_frame()  # the same line, for long: no progress either
-            now = (self.beats, frame.f_code, frame.f_lineno)
-            if now != last:
-                last, since = now, time.monotonic()
-            elif time.monotonic() - since > self.timeout:
-                self.store.set("declared", str(self.rank))
-            if self.store.check(["declared"]):
-                return self.report()
 
     def report(self):
         """Print this rank's stack, say where it stands, and end the job. Rank 0
@@ -228,8 +225,7 @@ class HangWatch:
                 "skipped or added one), or the network between them stalled."
             )
         head = f"hang: no progress for {self.timeout:g} s (--dist-timeout); where each"
-        text = "\n".join([f"{head} rank stood:", *lines, verdict])
-        print(text, file=sys.stderr)
+        print("\n".join([f"{head} rank stood:", *lines, verdict]), file=sys.stderr)
 
 
 WATCH = HangWatch()
