@@ -239,8 +239,8 @@ def resume(t, checkpoint, out_dir):
                 "afresh"
             )
     t.sums = LossSums(t.device, t.args, carried if dist.get_rank() == 0 else (0, 0))
-    saved_step = checkpoint["step"] if checkpoint else 0  # the rows' counting
-    by_rank_0(t.device, start_metrics, out_dir, saved_step)
+    # metrics.csv's rows count updates as the checkpoint did
+    by_rank_0(t.device, start_metrics, out_dir, checkpoint["step"] if checkpoint else 0)
     return at
 
 
