@@ -94,8 +94,7 @@ def main():
     """
     args = parse_args()
     spare_the_garbage_collector()
-    problem = cuda_problem(args.backend, args.nproc_per_node)
-    if problem:
+    if problem := cuda_problem(args.backend, args.nproc_per_node):
         raise failure(problem)
     held = socket.socket()  # closed as main() returns: see hold_free_port()
 {% if multi %}
