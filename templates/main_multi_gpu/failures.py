@@ -213,16 +213,15 @@ class HangWatch:
             lines.append(f"  rank {rank}: {where}  ({kind})")
             if kind != WAITS:
                 stuck.append(str(rank))
+        verdict = (
+            "every rank waits in a collective: not all in the same one (a rank "
+            "skipped or added one), or the network between them stalled."
+        )
         if stuck:
             who = ("rank " if len(stuck) == 1 else "ranks ") + ", ".join(stuck)
             verdict = (
                 f"{who}: no progress outside a collective, while the others wait; "
                 f"see the lines above that start with [rank {stuck[0]}]."
-            )
-        else:
-            verdict = (
-                "every rank waits in a collective: not all in the same one (a rank "
-                "skipped or added one), or the network between them stalled."
             )
         head = f"hang: no progress for {self.timeout:g} s (--dist-timeout); where each"
         print("\n".join([f"{head} rank stood:", *lines, verdict]), file=sys.stderr)
@@ -239,8 +238,7 @@ def main_frame():
 def locate(frame):
     """Where a stack stands: its innermost line in this file, and what it waits for."""
     stack = traceback.extract_stack(frame)
-    ours = [entry for entry in stack if in_this_file(entry)]
-    inner = ours[-1] if ours else stack[-1]
+    inner = ([entry for entry in stack if in_this_file(entry)] or stack)[-1]
     below = " ".join(entry.filename for entry in stack[stack.index(inner) + 1 :])
     if "torch/utils/data" in below:
         kind = LOADER
