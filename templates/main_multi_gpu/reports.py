@@ -83,8 +83,7 @@ class Reports(contextlib.ExitStack):
         stopped for the row."""
         if self.step is not None:
             self.steps.append((self.step, self.mark()))
-            self.step = None
-            self.trained = time.perf_counter()
+            self.step, self.trained = None, time.perf_counter()
 
     @contextlib.contextmanager
     def aside(self):
@@ -107,7 +106,7 @@ class Reports(contextlib.ExitStack):
             disable=not (self.is_main and sys.stderr.isatty()),
         )
         done = at.samples  # samples of the pass done, over all ranks
-        try:
+        with self.progress:  # closed also when the loop stops early (a stop, an error)
             while True:
                 tick = time.perf_counter()
                 item = next(data, None)
@@ -122,8 +121,6 @@ class Reports(contextlib.ExitStack):
                 self.progress.update()
                 if self.profiler:
                     self.profiler.step()
-        finally:  # also when the loop stops early (a stop signal, an error)
-            self.progress.close()
 
     def row(self, at, metrics):
         """An evaluation's row in metrics.csv (and TensorBoard), and its line: the
@@ -248,13 +245,10 @@ def report_outputs(out_dir, plotted, tensorboard):
 def preflight(device, backend):
     """Every rank reports where it runs, then one all-reduce and a bandwidth probe."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    ones = torch.ones(1, device=device)
-    dist.all_reduce(ones)
-    if ones.item() != world_size:
-        raise failure(f"error: all-reduce gave {ones.item()}, not {world_size}")
     payload = torch.ones(8 * 2**20, device=device)  # 32 MiB of float32
-    dist.all_reduce(payload)  # warm-up
-    payload[0].item()  # on a GPU: waits for it
+    dist.all_reduce(payload)  # the check, and a warm-up
+    if (total := payload[0].item()) != world_size:  # on a GPU: waits for it
+        raise failure(f"error: all-reduce gave {total}, not {world_size}")
     start, repeats = time.perf_counter(), 5
     for _ in range(repeats):
         dist.all_reduce(payload)
