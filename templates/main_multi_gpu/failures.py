@@ -268,10 +268,8 @@ def print_stacks(rank, main_traceback=None, loader_workers=False):
     for ident, frame in frames.items():
         if names.get(ident) == WATCH.thread.name:
             continue  # it only reports
-        if main_traceback and ident == main:
-            stack = traceback.format_tb(main_traceback)
-        else:
-            stack = traceback.format_stack(frame)
+        tb = main_traceback if ident == main else None  # where it raised, if given
+        stack = traceback.format_tb(tb) if tb else traceback.format_stack(frame)
         lines.append(f"thread {names.get(ident, ident)} (most recent call last):")
         lines += "".join(stack).rstrip().splitlines()
     sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in lines))
