@@ -9,8 +9,7 @@ class Reports(contextlib.ExitStack):
 
     def __init__(self, t, out_dir):
         super().__init__()
-        self.t, self.out_dir = t, out_dir
-        self.is_main = dist.get_rank() == 0
+        self.t, self.out_dir, self.is_main = t, out_dir, dist.get_rank() == 0
         self.progress = self.profiler = self.writer = None
         self.start_interval()
         # Every optimizer's steps are timed by hooks: the loop carries no timing code.
@@ -220,8 +219,7 @@ def plot_losses(metrics_path, png_path):
     axes = figure.subplots()
     for key in ("train_loss", "val_loss"):
         axes.plot(steps, [float(row[key]) for row in rows], marker="o", label=key)
-    axes.set_xlabel("optimizer updates")
-    axes.set_ylabel("loss")
+    axes.set(xlabel="optimizer updates", ylabel="loss")
     axes.legend()
     figure.tight_layout()
     with replacing(png_path, "wb") as f:
