@@ -57,11 +57,10 @@ def at_least(least, most=math.inf, kind=int, above=False):
         value = kind(text)
         low = value > least if above else value >= least
         if not low or value > most or value == math.inf:
-            word = "above" if above else "at least"
+            bound = f"above {least}" if above else f"at least {least}"
             top = "" if most == math.inf else f" and at most {most}"
             shown = value if kind is int else text  # a float as given: 1, not 1.0
-            message = f"must be {word} {least}{top}, not {shown}"
-            raise argparse.ArgumentTypeError(message)
+            raise argparse.ArgumentTypeError(f"must be {bound}{top}, not {shown}")
         return value
 
     number.__name__ = kind.__name__  # argparse: "invalid int (float) value: ..."
