@@ -35,9 +35,9 @@ def unpacked(t, saved):
 
 
 def plain(value):
-    """A value weights_only=True loads: a Path (say, from a flag you add) as text."""
-    simple = isinstance(value, (bool, int, float, str, type(None)))
-    return value if simple else str(value)
+    """A value weights_only=True loads (a bool is an int): a Path (say, from a flag
+    you add) as text."""
+    return value if isinstance(value, (int, float, str, type(None))) else str(value)
 
 
 def save_atomic(obj, path):
