@@ -315,8 +315,7 @@ def report_lost_peer(err):
 {% else %}
     print_stacks(rank, err.__traceback__)
 {% endif %}
-    frames = traceback.extract_tb(err.__traceback__)
-    ours = [entry for entry in frames if in_this_file(entry)]
+    ours = [f for f in traceback.extract_tb(err.__traceback__) if in_this_file(f)]
     where = f"{ours[-1].name}, line {ours[-1].lineno}" if ours else "a collective"
     reason = str(err).strip().splitlines()[0].split("] ")[-1].split(". ")[0]
     line = f"[rank {rank}] error: a collective failed in {where} ({reason}); if "
