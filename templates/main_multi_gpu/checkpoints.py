@@ -5,7 +5,6 @@ def snapshot(t, at):
     """Everything a resume needs: the state at `at`. (Every rank calls it: the loss
     sums since the last evaluation are added up over the ranks.)"""
     args, world_size = t.args, dist.get_world_size()
-    sums = t.sums.totals()
     return {
 {{ saving.snapshot_tensors() }}
         "scheduler": packed({k: s and s.state_dict() for k, s in t.schedulers.items()}),
@@ -16,7 +15,7 @@ def snapshot(t, at):
         "step": at.step,  # optimizer updates done
         "stream": stream_states(t, at),  # {sub-stream: its state_dict()}, or None
         "stream_shards": getattr(t.train_data, "shards", None),  # see StreamShard
-        "train_sums": list(sums),  # loss sum and units since the last evaluation
+        "train_sums": list(t.sums.totals()),  # loss sum and units, over all ranks
         "global_batch": [world_size, args.batch_size, args.grad_accum],
         "total_updates": t.total_updates,
 {% if strategy == "best" %}
@@ -49,9 +48,9 @@ def unpacked(t, saved):
 
 
 def plain(value):
-    """A value weights_only=True loads: a Path (say, from a flag you add) as text."""
-    simple = isinstance(value, (bool, int, float, str, type(None)))
-    return value if simple else str(value)
+    """A value weights_only=True loads (a bool is an int): a Path (say, from a flag
+    you add) as text."""
+    return value if isinstance(value, (int, float, str, type(None))) else str(value)
 
 
 def save_atomic(obj, path):
@@ -131,13 +130,11 @@ def load_shared(path, device, verb):
         lines = [line for line in str(err).splitlines() if line.strip()] or [repr(err)]
         # weights_only says why in one of its lines: "unsupported GLOBAL posix.system"
         # (a pickle that would run code: refused), or "Unsupported operand" (no pickle).
-        says = ("GLOBAL" in line or line.startswith("Unsupported") for line in lines)
-        cause = next((line for line, why in zip(lines, says) if why), lines[0])
-        if "GLOBAL" in cause:
-            message = f"refused by weights_only=True ({cause.rstrip('.')})"
-        else:
-            message = f"not a checkpoint ({cause.rstrip('.')})"
-        raise failure(f"error: cannot {verb} {path}: {message}") from err
+        says = (s for s in lines if "GLOBAL" in s or s.startswith("Unsupported"))
+        cause = next(says, lines[0]).rstrip(".")
+        refused = "GLOBAL" in cause  # a pickle's code, not a broken file
+        why = "refused by weights_only=True" if refused else "not a checkpoint"
+        raise failure(f"error: cannot {verb} {path}: {why} ({cause})") from err
     return loaded
 
 
@@ -255,8 +252,8 @@ def resume(t, checkpoint, out_dir):
                 "afresh"
             )
     t.sums = LossSums(t.device, t.args, carried if dist.get_rank() == 0 else (0, 0))
-    saved_step = checkpoint["step"] if checkpoint else 0  # the rows' counting
-    by_rank_0(t.device, start_metrics, out_dir, saved_step)
+    # metrics.csv's rows count updates as the checkpoint did
+    by_rank_0(t.device, start_metrics, out_dir, checkpoint["step"] if checkpoint else 0)
     return at
 
 

@@ -57,30 +57,26 @@ def at_least(least, most=math.inf, kind=int, above=False):
         value = kind(text)
         low = value > least if above else value >= least
         if not low or value > most or value == math.inf:
-            word = "above" if above else "at least"
+            bound = f"above {least}" if above else f"at least {least}"
             top = "" if most == math.inf else f" and at most {most}"
             shown = value if kind is int else text  # a float as given: 1, not 1.0
-            message = f"must be {word} {least}{top}, not {shown}"
-            raise argparse.ArgumentTypeError(message)
+            raise argparse.ArgumentTypeError(f"must be {bound}{top}, not {shown}")
         return value
 
     number.__name__ = kind.__name__  # argparse: "invalid int (float) value: ..."
     return number
 
 
-def count(least=1):
-    """A count flag's type and metavar: a whole number N of at least `least`."""
-    return {"type": at_least(least), "metavar": "N"}
+def count(default=None, least=1):
+    """A count flag's type, metavar and default: a whole number N, at least `least`."""
+    return {"type": at_least(least), "metavar": "N", "default": default}
 
 
 def add_training_arguments(parser):
-    parser.add_argument(
-        "--epochs", **count(), default=10, help="passes over the training set"
-    )
+    parser.add_argument("--epochs", **count(10), help="passes over the training set")
     parser.add_argument(
         "--batch-size",
-        **count(),
-        default=32,
+        **count(32),
         help="samples per process and step: the global batch is N x processes x "
         "--grad-accum",
     )
@@ -100,16 +96,15 @@ def add_training_arguments(parser):
     )
     parser.add_argument(
         "--num-workers",
-        **count(0),
-        default=2,
+        **count(2, least=0),
         help="DataLoader worker processes per training process",
     )
     # The built-in data's sizes: once build_datasets is yours, delete them.
     parser.add_argument(
-        "--train-size", **count(), default=2048, help="samples of the built-in data"
+        "--train-size", **count(2048), help="samples of the built-in data"
     )
     parser.add_argument(
-        "--val-size", **count(), default=512, help="validation samples of the same"
+        "--val-size", **count(512), help="validation samples of the same"
     )
     parser.add_argument(
         "--output-dir",
@@ -157,14 +152,13 @@ def add_long_run_arguments(parser):
     )
     parser.add_argument(
         "--save-every",
-        **count(0),
 {% if strategy == "final_only" %}
-        default=0,
+        **count(0, least=0),
         help="also write checkpoint_last.pt every N optimizer updates, so that a "
         "crash without a signal loses at most N (0: never; final_only removes it at "
         "the end)",
 {% else %}
-        default=1000,
+        **count(1000, least=0),
         help="also replace checkpoint_last.pt every N optimizer updates, so that a "
         "crash without a signal loses at most N (0: at the end of each pass only)",
 {% endif %}
@@ -193,8 +187,7 @@ def add_speed_arguments(parser):
     )
     parser.add_argument(
         "--profile-steps",
-        **count(0),
-        default=0,
+        **count(0, least=0),
         help="write a torch.profiler trace of N steps of rank 0 to DIR/profile",
     )
     parser.add_argument(

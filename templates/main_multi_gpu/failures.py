@@ -156,25 +156,22 @@ class HangWatch:
         faulthandler.cancel_dump_traceback_later()
 
     def watch(self):
+        last, since = None, time.monotonic()
         try:
-            self.poll()
+            while not self.done.wait(1.0):
+                # If this thread cannot run (a C call holding the GIL), faulthandler
+                # prints every thread's stack and ends the process in its place.
+                faulthandler.dump_traceback_later(self.timeout + 30, exit=True)
+                frame = main_frame()  # the same line, for long: no progress either
+                now = (self.beats, frame.f_code, frame.f_lineno)
+                if now != last:
+                    last, since = now, time.monotonic()
+                elif time.monotonic() - since > self.timeout:
+                    self.store.set("declared", str(self.rank))
+                if self.store.check(["declared"]):
+                    return self.report()
         except dist.DistError:  # the store went with its host (rank 0, a launcher),
             faulthandler.cancel_dump_traceback_later()  # which ends this rank too
-
-    def poll(self):
-        last, since = None, time.monotonic()
-        while not self.done.wait(1.0):
-            # If this thread cannot run (a C call holding the GIL), faulthandler
-            # prints every thread's stack and ends the process in its place.
-            faulthandler.dump_traceback_later(self.timeout + 30, exit=True)
-            frame = main_frame()  # the same line, for long: no progress either
-            now = (self.beats, frame.f_code, frame.f_lineno)
-            if now != last:
-                last, since = now, time.monotonic()
-            elif time.monotonic() - since > self.timeout:
-                self.store.set("declared", str(self.rank))
-            if self.store.check(["declared"]):
-                return self.report()
 
     def report(self):
         """Print this rank's stack, say where it stands, and end the job. Rank 0
@@ -216,20 +213,18 @@ class HangWatch:
             lines.append(f"  rank {rank}: {where}  ({kind})")
             if kind != WAITS:
                 stuck.append(str(rank))
+        verdict = (
+            "every rank waits in a collective: not all in the same one (a rank "
+            "skipped or added one), or the network between them stalled."
+        )
         if stuck:
             who = ("rank " if len(stuck) == 1 else "ranks ") + ", ".join(stuck)
             verdict = (
                 f"{who}: no progress outside a collective, while the others wait; "
                 f"see the lines above that start with [rank {stuck[0]}]."
             )
-        else:
-            verdict = (
-                "every rank waits in a collective: not all in the same one (a rank "
-                "skipped or added one), or the network between them stalled."
-            )
         head = f"hang: no progress for {self.timeout:g} s (--dist-timeout); where each"
-        text = "\n".join([f"{head} rank stood:", *lines, verdict])
-        print(text, file=sys.stderr)
+        print("\n".join([f"{head} rank stood:", *lines, verdict]), file=sys.stderr)
 
 
 WATCH = HangWatch()
@@ -243,8 +238,7 @@ def main_frame():
 def locate(frame):
     """Where a stack stands: its innermost line in this file, and what it waits for."""
     stack = traceback.extract_stack(frame)
-    ours = [entry for entry in stack if in_this_file(entry)]
-    inner = ours[-1] if ours else stack[-1]
+    inner = ([entry for entry in stack if in_this_file(entry)] or stack)[-1]
     below = " ".join(entry.filename for entry in stack[stack.index(inner) + 1 :])
     if "torch/utils/data" in below:
         kind = LOADER
@@ -274,10 +268,8 @@ def print_stacks(rank, main_traceback=None, loader_workers=False):
     for ident, frame in frames.items():
         if names.get(ident) == WATCH.thread.name:
             continue  # it only reports
-        if main_traceback and ident == main:
-            stack = traceback.format_tb(main_traceback)
-        else:
-            stack = traceback.format_stack(frame)
+        tb = main_traceback if ident == main else None  # where it raised, if given
+        stack = traceback.format_tb(tb) if tb else traceback.format_stack(frame)
         lines.append(f"thread {names.get(ident, ident)} (most recent call last):")
         lines += "".join(stack).rstrip().splitlines()
     sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in lines))
@@ -323,8 +315,7 @@ def report_lost_peer(err):
 {% else %}
     print_stacks(rank, err.__traceback__)
 {% endif %}
-    frames = traceback.extract_tb(err.__traceback__)
-    ours = [entry for entry in frames if in_this_file(entry)]
+    ours = [f for f in traceback.extract_tb(err.__traceback__) if in_this_file(f)]
     where = f"{ours[-1].name}, line {ours[-1].lineno}" if ours else "a collective"
     reason = str(err).strip().splitlines()[0].split("] ")[-1].split(". ")[0]
     line = f"[rank {rank}] error: a collective failed in {where} ({reason}); if "

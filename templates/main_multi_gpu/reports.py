@@ -9,8 +9,7 @@ class Reports(contextlib.ExitStack):
 
     def __init__(self, t, out_dir):
         super().__init__()
-        self.t, self.out_dir = t, out_dir
-        self.is_main = dist.get_rank() == 0
+        self.t, self.out_dir, self.is_main = t, out_dir, dist.get_rank() == 0
         self.progress = self.profiler = self.writer = None
         self.start_interval()
         # Every optimizer's steps are timed by hooks: the loop carries no timing code.
@@ -29,19 +28,13 @@ class Reports(contextlib.ExitStack):
                     "error: --tensorboard needs TensorBoard: pip install tensorboard"
                 ) from err
             if self.is_main:
-                self.writer = SummaryWriter(out_dir / "tensorboard")
-                self.callback(self.writer.close)
+                self.writer = self.enter_context(SummaryWriter(out_dir / "tensorboard"))
         if self.is_main and t.args.profile_steps:  # its trace is written as it stops
-            self.profiler = self.enter_context(
-                torch.profiler.profile(
-                    schedule=torch.profiler.schedule(
-                        wait=1, warmup=1, active=t.args.profile_steps, repeat=1
-                    ),
-                    on_trace_ready=torch.profiler.tensorboard_trace_handler(
-                        str(out_dir / "profile")
-                    ),
-                )
-            )
+            steps = t.args.profile_steps
+            schedule = torch.profiler.schedule(wait=1, warmup=1, active=steps, repeat=1)
+            trace = torch.profiler.tensorboard_trace_handler(str(out_dir / "profile"))
+            profiler = torch.profiler.profile(schedule=schedule, on_trace_ready=trace)
+            self.profiler = self.enter_context(profiler)
 
     def began(self, *_):
         self.step_began = self.mark()
@@ -89,8 +82,7 @@ class Reports(contextlib.ExitStack):
         stopped for the row."""
         if self.step is not None:
             self.steps.append((self.step, self.mark()))
-            self.step = None
-            self.trained = time.perf_counter()
+            self.step, self.trained = None, time.perf_counter()
 
     @contextlib.contextmanager
     def aside(self):
@@ -113,7 +105,7 @@ class Reports(contextlib.ExitStack):
             disable=not (self.is_main and sys.stderr.isatty()),
         )
         done = at.samples  # samples of the pass done, over all ranks
-        try:
+        with self.progress:  # closed also when the loop stops early (a stop, an error)
             while True:
                 tick = time.perf_counter()
                 item = next(data, None)
@@ -128,8 +120,6 @@ class Reports(contextlib.ExitStack):
                 self.progress.update()
                 if self.profiler:
                     self.profiler.step()
-        finally:  # also when the loop stops early (a stop signal, an error)
-            self.progress.close()
 
     def row(self, at, metrics):
         """An evaluation's row in metrics.csv (and TensorBoard), and its line: the
@@ -168,8 +158,7 @@ class Reports(contextlib.ExitStack):
         if self.writer:
             for key, value in row.items():
                 self.writer.add_scalar(key, value, row["step"])
-        args = self.t.args
-        epoch, step = row.pop("epoch"), row.pop("step")
+        args, epoch, step = self.t.args, row.pop("epoch"), row.pop("step")
         if args.max_steps:
             head = f"step {step}/{args.max_steps}  epoch {epoch}"
         else:
@@ -230,8 +219,7 @@ def plot_losses(metrics_path, png_path):
     axes = figure.subplots()
     for key in ("train_loss", "val_loss"):
         axes.plot(steps, [float(row[key]) for row in rows], marker="o", label=key)
-    axes.set_xlabel("optimizer updates")
-    axes.set_ylabel("loss")
+    axes.set(xlabel="optimizer updates", ylabel="loss")
     axes.legend()
     figure.tight_layout()
     with replacing(png_path, "wb") as f:
@@ -255,13 +243,10 @@ def report_outputs(out_dir, plotted, tensorboard):
 def preflight(device, backend):
     """Every rank reports where it runs, then one all-reduce and a bandwidth probe."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    ones = torch.ones(1, device=device)
-    dist.all_reduce(ones)
-    if ones.item() != world_size:
-        raise failure(f"error: all-reduce gave {ones.item()}, not {world_size}")
     payload = torch.ones(8 * 2**20, device=device)  # 32 MiB of float32
-    dist.all_reduce(payload)  # warm-up
-    payload[0].item()  # on a GPU: waits for it
+    dist.all_reduce(payload)  # the check, and a warm-up
+    if (total := payload[0].item()) != world_size:  # on a GPU: waits for it
+        raise failure(f"error: all-reduce gave {total}, not {world_size}")
     start, repeats = time.perf_counter(), 5
     for _ in range(repeats):
         dist.all_reduce(payload)

@@ -6,24 +6,18 @@
 {% macro launcher_flags() %}
     parser.add_argument(
         "--nproc-per-node",
-        type=at_least(1),
-        metavar="N",
-        default=torch.cuda.device_count() or 2,
+        **count(torch.cuda.device_count() or 2),
         help="processes on this machine (default: one per GPU, or 2 on CPU)",
     )
 {% if multi %}
     parser.add_argument(
         "--nnodes",
-        type=at_least(1),
-        default=1,
-        metavar="N",
+        **count(1),
         help="machines taking part",
     )
     parser.add_argument(
         "--node-rank",
-        type=at_least(0),
-        default=0,
-        metavar="N",
+        **count(0, least=0),
         help="this machine's number, 0 to nnodes - 1",
     )
     parser.add_argument(
@@ -100,8 +94,7 @@ def main():
     """
     args = parse_args()
     spare_the_garbage_collector()
-    problem = cuda_problem(args.backend, args.nproc_per_node)
-    if problem:
+    if problem := cuda_problem(args.backend, args.nproc_per_node):
         raise failure(problem)
     held = socket.socket()  # closed as main() returns: see hold_free_port()
 {% if multi %}

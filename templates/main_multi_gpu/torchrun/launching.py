@@ -66,8 +66,7 @@ def launch(options, timeout, backend):
         rendezvous_handler_registry.register("elastic", elastic_rendezvous)
 {% endif %}
     nproc = parsed.nproc_per_node
-    problem = cuda_problem(backend, int(nproc) if nproc.isdigit() else 1)
-    if problem:
+    if problem := cuda_problem(backend, int(nproc) if nproc.isdigit() else 1):
         raise failure(problem)
     try:
         torchrun([*command, __file__, *sys.argv[1:]])
