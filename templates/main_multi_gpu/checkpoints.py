@@ -30,11 +30,8 @@ def stream_states(t, at):
     None for a sampler, or at a pass's end."""
     if at.stream is None:
         return None
-    states = {}
-    for rank in range(dist.get_world_size()):
-        data = pickle.dumps(at.stream) if rank == dist.get_rank() else None
-        states.update(pickle.loads(broadcast_bytes(data, t.device, src=rank)))
-    return states
+    each = gathered(pickle.dumps(at.stream), t.device)
+    return {c: state for data in each for c, state in pickle.loads(data).items()}
 
 
 def packed(states):
@@ -165,6 +162,11 @@ def broadcast_bytes(data, device, src=0):
         dist.broadcast(received, src=src)
         torch.frombuffer(buffer, dtype=torch.uint8).copy_(received)
     return buffer
+
+
+def gathered(data, device):
+    """Every rank's bytes, in rank order, on every rank: broadcast in turn."""
+    return [broadcast_bytes(data, device, src) for src in range(dist.get_world_size())]
 
 
 def settle_global_batch(args, checkpoint, world_size):

@@ -155,13 +155,14 @@ class StreamShard(IterableDataset):
     reader reads of it, a DataLoader worker or the process itself (of processes x
     workers readers). Each item has a place in the pass. A stream that can be split
     by shard (n_shards and shard(), as Hugging Face's) is read as `shards` sub-streams,
-    the n-th item of sub-stream c in place n x shards + c, and reader r reads the
-    sub-streams r, r + readers, ... alone. Another stream is read whole by every
-    reader, its n-th item in place n. A pass is cut into blocks of processes x
-    batch_size places, one micro-batch of every process: of a whole stream's block,
-    a process takes every processes-th item, as DistributedSampler does, its workers
-    taking turns. So each item of a pass is used once, and the items of a global batch
-    depend on the stream and `shards` alone, never on the processes or workers.
+    the n-th item of sub-stream c in place n x shards + c, and reader q reads the
+    sub-streams q, q + readers, ... alone. Another stream is read whole by every
+    reader, its n-th item in place n, and reader q takes the places q, q + readers,
+    ...: so a process takes every processes-th, as DistributedSampler does, its
+    workers in turn. A pass is cut into blocks of processes x batch_size places, one
+    micro-batch of every process. So each item of a pass is used once, and the items
+    of a global batch depend on the stream and `shards` alone, never on the
+    processes or workers.
 
     A reader yields its part of every block, without end, with whether it has run out
     and, at an update's end, each sub-stream's state_dict() there (where it has one).
@@ -181,26 +182,23 @@ class StreamShard(IterableDataset):
         self.epoch, self.start, self.states = epoch, samples, state or {}
 
     def __iter__(self):
-        info = get_worker_info()
-        worker = info.id if info else 0
+        worker = getattr(get_worker_info(), "id", 0)  # (None without workers)
         # A reader reads its sub-streams whole: hide the workers from a stream that
         # would split itself among them (as Hugging Face's does).
         torch.utils.data._utils.worker._worker_info = None
-        owned = [0]  # a stream read whole; else every processes-th sub-stream, in turn
-        if self.shards:
-            first = self.rank + self.world_size * worker
-            owned = range(first, self.shards, self.world_size * self.workers)
+        # Reader q of the processes' readers (processes first, then their workers)
+        # reads the sub-streams q, q + readers, ..., or a whole stream's places so.
+        readers = self.world_size * self.workers
+        reader = self.rank + self.world_size * worker
+        owned = range(reader, self.shards, readers) if self.shards else [0]
         subs = [self.read(c) for c in owned]
         heads = [next(sub) for sub in subs]  # each one's next (place, item, state)
         for block in itertools.count(1):
             end, part = self.start + block * self.width, []
             for i, sub in enumerate(subs):
                 while heads[i][0] < end:
-                    place, item, _ = heads[i]
-                    k = (place - self.start) % self.width  # a whole stream's: whose?
-                    whose = k % self.world_size, k // self.world_size % self.workers
-                    if self.shards or whose == (self.rank, worker):
-                        part.append(item)
+                    if self.shards or heads[i][0] % readers == reader:
+                        part.append(heads[i][1])
                     heads[i] = next(sub)
             done = all(place == math.inf for place, _, _ in heads)
             yield part, done, {c: state for c, (*_, state) in zip(owned, heads)}

@@ -119,6 +119,7 @@ LOADER = "waits for its DataLoader workers"
 # (.item(), .tolist(), a copy), and torch's: GradScaler's check for infs, clipping.
 HOST_SYNCS = {"check", "totals", "diverged_failure", "evaluate", "load_shared"}
 HOST_SYNCS |= {"by_rank_0", "broadcast_bytes", "preflight", "to_device"}
+HOST_SYNCS |= {"train_pass", "lockstep"}  # a stream's end: does any rank have more?
 COLLECTIVES += ("torch/amp/grad_scaler", "torch/nn/utils/clip_grad")
 # How gloo says that another rank went away or timed out, in plain RuntimeErrors
 # (NCCL and the store raise DistErrors).

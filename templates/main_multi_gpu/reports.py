@@ -259,14 +259,9 @@ def preflight(device, backend):
         label += f" {torch.cuda.get_device_name(device)}"
     local_rank = os.environ.get("LOCAL_RANK", "0")
     row = f"{rank:>4}  {socket.gethostname():<20} {local_rank:>5}  {label:<29}"
-    # Gather the rows as fixed-size byte tensors (all_gather_object would need NumPy).
-    text = f"{row} {gb_per_s:>8.2f}".encode()[:128].ljust(128)
-    mine = torch.tensor(list(text), dtype=torch.uint8, device=device)
-    gathered = [torch.empty_like(mine) for _ in range(world_size)]
-    dist.all_gather(gathered, mine)
-    rows = [bytes(t.tolist()).decode().rstrip() for t in gathered]
+    rows = gathered(f"{row} {gb_per_s:>8.2f}".encode(), device)
     print0(f"preflight: {world_size} ranks, backend {backend}, all-reduce ok")
     print0(f"{'rank':>4}  {'host':<20} {'local':>5}  {'device':<29} {'GB/s':>8}")
-    print0("\n".join(rows))
+    print0("\n".join(row.decode() for row in rows))
 
 

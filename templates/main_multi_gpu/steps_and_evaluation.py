@@ -115,20 +115,18 @@ def diverged_failure(recent, first_step, epoch, device):
     over all ranks, with its rank and value."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     bad = (~torch.isfinite(recent)).nonzero().flatten().tolist()
-    first = (first_step + bad[0]) * world_size + rank if bad else math.inf
-    first = torch.tensor(float(first), dtype=torch.float64, device=device)
-    dist.all_reduce(first, op=dist.ReduceOp.MIN)
-    if not math.isfinite(first.item()):
-        where = f"the weights stopped being finite in epoch {epoch + 1}"
-    else:
-        step, bad_rank = divmod(int(first.item()), world_size)
-        value = recent[step - first_step] if bad_rank == rank else torch.zeros(())
-        value = value.to(device)
-        dist.broadcast(value, src=bad_rank)
-        where = (
-            f"the loss is {value.item()} in epoch {epoch + 1} at batch {step + 1} "
-            f"(rank {bad_rank})"
-        )
+    first = [math.inf, 0.0]  # this rank's: (micro-batch x world_size + rank, loss)
+    if bad:
+        first = [(first_step + bad[0]) * world_size + rank, recent[bad[0]].item()]
+    mine = torch.tensor(first, dtype=torch.float64, device=device)
+    found = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(found, mine)
+    first, value = min(f.tolist() for f in found)
+    where = f"the weights stopped being finite in epoch {epoch + 1}"
+    if math.isfinite(first):
+        step, bad_rank = divmod(int(first), world_size)
+        where = f"the loss is {value} in epoch {epoch + 1} at batch {step + 1}"
+        where += f" (rank {bad_rank})"
     return failure(
         f"error: {where}; stopped without saving it. Try a lower --lr, "
         "--clip-grad-norm 1.0, or --amp bf16 instead of fp16"
@@ -164,24 +162,22 @@ def evaluate(model, loader, device):
     """compute_metrics over the whole validation set, exact for any world size: each
     metric's sum and n are added up over batches and ranks, then divided."""
     model.eval()
-    sums = {}  # name -> float64 [sum, n] on the device
+    sums, zero = {}, torch.zeros(2, dtype=torch.float64, device=device)  # [sum, n]
 {{ par.evaluate_batches() }}
         ok = isinstance(metrics, Mapping) and "loss" in metrics
         ok = ok and all(type(p) is tuple and len(p) == 2 for p in metrics.values())
         if not ok:
             raise returned("compute_metrics", metrics, "{'loss': (sum, n), ...}")
         for name, (total, n) in metrics.items():
-            if name not in sums:
-                sums[name] = torch.zeros(2, dtype=torch.float64, device=device)
-            sums[name][0] += total
-            sums[name][1] += n
+            both = sums.setdefault(name, zero.clone())
+            both[0] += total
+            both[1] += n
     model.train()
     # Rank 0 has validation data unless there is none; a rank without any takes its
     # names.
     names = broadcast_bytes("\n".join(sums).encode(), device).decode().split("\n")
     if names == [""]:
         raise failure("error: build_datasets() returned an empty validation stream")
-    zero = torch.zeros(2, dtype=torch.float64, device=device)
     totals = torch.stack([sums.get(name, zero) for name in names])
     dist.all_reduce(totals)  # sum over ranks
     values = zip(names, totals.tolist(), strict=True)
