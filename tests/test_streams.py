@@ -147,7 +147,10 @@ def test_a_stream_on_two_processes_equals_one_with_twice_the_batch(tmp_path):
     project = stream_project(tmp_path, "rows", ROWS, save_strategy="best")
     args = ["--lr", "0.05", "--max-steps", "6", "--eval-every", "2"]
     args += ["--num-workers", "2"]
-    run_warm(project, tmp_path / "w2", 2, *args, "--batch-size", "8")
+    output = run_warm(project, tmp_path / "w2", 2, *args, "--batch-size", "8")
+    # No shard(): each of 2 processes x 2 workers reads it all, and one line says so.
+    line = "note: the training stream has no shard(), 4 readers: each reads all of it"
+    assert output.count(line) == 1, output
     run_warm(project, tmp_path / "w1", 1, *args, "--batch-size", "16")
     assert max_difference(final(tmp_path / "w2"), final(tmp_path / "w1")) < 1e-5
 
@@ -372,6 +375,10 @@ def test_the_readme_stream_examples_train_and_resume(tmp_path):
     out = tmp_path / "out"
     output = run_warm(project, out, 2, *args, "--batch-size", "8", env=stop, expect=143)
     assert "in epoch 2 after 1 batch" in output
+    # 3 files for 2 processes x 2 workers: read by file, one reader idle.
+    assert (
+        output.count("note: the training stream has 3 shards, 4 readers: 1 idle") == 1
+    )
     output = run_warm(project, out, 1, *args, "--batch-size", "8")
     assert "in epoch 2 after 2 batches" in output and "reads its first" not in output
     assert max_difference(final(out), final(tmp_path / "straight")) < 1e-5
