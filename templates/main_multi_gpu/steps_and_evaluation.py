@@ -30,9 +30,10 @@ class Step(nn.Module):
     """{{ par.step_host }}: the model, and a training step (compute_loss) as
     the forward pass, so that {{ par.step_sees }} every parameter a step uses; and `units`,
     a parameter, zero: each micro-batch adds its column 0's sum times n to its loss,
-    and an update's last its column 1's times `more` (whether this rank has stream
-    items after it), so the gradients' reduction brings the mean n and the mean
-    `more` per rank (in each row: one per rank, so that FSDP2 shards it evenly)."""
+    and an update's last its column 1's sum where this rank has items after it of a
+    stream read by shard (`more`), so the gradients' reduction brings the mean n and
+    the mean `more` per rank (in each row: one per rank, so that FSDP2 shards it
+    evenly)."""
 
     def __init__(self, model):
         super().__init__()
@@ -47,7 +48,8 @@ class Step(nn.Module):
             expected = "(loss, n): the mean loss over n units, a tensor of shape ()"
             raise returned("compute_loss", out, expected)
         n = n if real else 0  # a stand-in batch at a stream's end weighs nothing
-        return loss, n, self.units[:, 0].sum() * n + self.units[:, 1].sum() * more
+        counted = self.units[:, 0].sum() * n
+        return loss, n, counted + self.units[:, 1].sum() if more else counted
 {% if fsdp %}
 
     def metrics(self, batch):

@@ -288,7 +288,7 @@ def train_pass(t, at, reports):
         for turn in turns:
             for i, (batch, real) in enumerate(held, 1):
                 end = sync and i == len(held)  # the update's last micro-batch
-                loss, n = backward(t, batch, real, turn, end, end and more)
+                loss, n = backward(t, batch, real, turn, end, end and apart and more)
                 if turn == turns[0]:  # train_loss is the first turn's
                     t.sums.add(loss, n)
             if sync:
@@ -320,8 +320,8 @@ def reseed(seed, device):
 
 def backward(t, batch, real, turn, sync, more):
     """One micro-batch's forward and backward pass (sync: the update's last, whose
-    gradients are averaged over the ranks; more: it is, and this rank has stream
-    items after it). Returns its loss and units."""
+    gradients are averaged over the ranks; more: it is, and this rank has items of a
+    stream read by shard after it). Returns its loss and units."""
     args, device = t.args, t.device
 {{ par.train_step() }}
     return loss, n
