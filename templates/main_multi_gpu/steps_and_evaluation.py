@@ -93,8 +93,7 @@ def check(t, reports):
     sums = t.sums
     recent = sums.recent[: sums.count]
 {{ par.local_finite() }}
-    stopping = float(STOP_SIGNAL is not None)
-    flags = torch.stack([finite.new_full((), stopping, dtype=torch.float64), ~finite])
+    flags = torch.stack([finite.new_tensor(STOP_SIGNAL is not None), ~finite]).double()
     dist.all_reduce(flags)
     stop, diverged = flags.tolist()
     if diverged:

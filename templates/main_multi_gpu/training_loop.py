@@ -74,8 +74,7 @@ def setup_distributed(backend, timeout):
     cuda = torch.cuda.is_available()
     backend = ("nccl" if cuda else "gloo") if backend == "auto" else backend
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    problem = cuda_problem(backend, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    if problem:
+    if problem := cuda_problem(backend, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))):
         raise failure(problem)
     device = torch.device("cpu")
     if cuda:
