@@ -10,10 +10,10 @@ def snapshot(t, at):
         "scheduler": packed({k: s and s.state_dict() for k, s in t.schedulers.items()}),
         "kept": {name: thing.state_dict() for name, (thing, _) in KEPT.items()},
         "scaler": t.scaler.state_dict(),
-        "epoch": at.epoch,  # passes done
-        "epoch_samples": at.samples,  # of the pass under way, over all ranks
-        "step": at.step,  # optimizer updates done
-        "stream": stream_states(t, at),  # {sub-stream: its state_dict()}, or None
+        # Where training stands (see Position), with the stream's states of every
+        # rank's readers in place of this rank's (at.stream).
+        **asdict(at),
+        "stream": stream_states(t, at),
         "stream_shards": getattr(t.train_data, "shards", None),  # see StreamShard
         "train_sums": list(t.sums.totals()),  # loss sum and units, over all ranks
         "global_batch": [world_size, args.batch_size, args.grad_accum],
@@ -237,8 +237,7 @@ def resume(t, checkpoint, out_dir):
             thing.load_state_dict(checkpoint["kept"][name])
         if checkpoint["scaler"]:  # empty when it was saved without --amp fp16
             t.scaler.load_state_dict(checkpoint["scaler"])
-        at = Position(*(checkpoint[k] for k in ("epoch", "epoch_samples", "step")))
-        at.stream = checkpoint["stream"]
+        at = Position(*(checkpoint[field.name] for field in fields(Position)))
         carried = tuple(checkpoint["train_sums"])  # over all ranks: rank 0 adds them
 {% if strategy == "best" %}
         t.best_val_loss = checkpoint.get("best_val_loss", math.inf)
@@ -267,19 +266,19 @@ def resume_position(t, at, saved_batch):
     args, world_size = t.args, dist.get_world_size()
     if isinstance(t.train_data, StreamShard):
         shards = t.train_data.shards
-        if at.samples and None in at.stream.values():
-            again = f"every reader reads its first {at.samples} items again"
+        if at.epoch_samples and None in at.stream.values():
+            again = f"every reader reads its first {at.epoch_samples} items again"
             if shards:
                 again = f"each of its {shards} shards is read again, by one reader,"
             line = "resume: the training stream has no state_dict(), so"
             print0(f"{line} {again} to get there")
-    elif again := at.samples % (args.batch_size * world_size):
+    elif again := at.epoch_samples % (args.batch_size * world_size):
         print0(f"resume: {again} samples of this pass are trained again")
-        at.samples -= again
+        at.epoch_samples -= again
     global_batch = world_size * args.batch_size * args.grad_accum
     if global_batch != saved_batch and t.steps_per_pass:
         per_pass = math.ceil(t.steps_per_pass / args.grad_accum)
-        at.step = at.epoch * per_pass + at.samples // global_batch
+        at.step = at.epoch * per_pass + at.epoch_samples // global_batch
     elif global_batch != saved_batch:  # a stream of unknown length: by samples
         at.step = at.step * saved_batch // global_batch
 

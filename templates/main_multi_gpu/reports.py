@@ -97,10 +97,10 @@ class Reports(contextlib.ExitStack):
         batch, and each step from its batch to the next request; and counted."""
         args, per_step = self.t.args, self.t.args.batch_size * dist.get_world_size()
         of = "" if args.max_steps else f"/{args.epochs}"
-        done = at.samples  # samples of the pass done, over all ranks
+        done = at.epoch_samples  # samples of the pass done, over all ranks
         with tqdm(  # the bar, closed also when the loop stops early (a stop, an error)
             total=self.t.steps_per_pass,
-            initial=at.samples // per_step,
+            initial=at.epoch_samples // per_step,
             desc=f"epoch {at.epoch + 1}{of}",
             leave=False,
             disable=not (self.is_main and sys.stderr.isatty()),
@@ -136,7 +136,7 @@ class Reports(contextlib.ExitStack):
         step_s = sum(seconds(a, b) for a, b in self.steps)
         optimizer_s = sum(seconds(a, b) for a, b in self.updates)
         trained_s = self.trained - self.since - self.aside_s  # saves left out
-        epoch = at.epoch if not at.samples else at.epoch + 1  # done, or under way
+        epoch = at.epoch if not at.epoch_samples else at.epoch + 1  # done, or under way
         row = {"epoch": epoch, "step": at.step, "train_loss": train_loss}
         row |= {f"val_{name}": value for name, value in metrics.items()}
         row |= {  # each optimizer's: lr, or lr_NAME for several
@@ -156,10 +156,9 @@ class Reports(contextlib.ExitStack):
             for key, value in row.items():
                 self.writer.add_scalar(key, value, row["step"])
         args, epoch, step = self.t.args, row.pop("epoch"), row.pop("step")
-        if args.max_steps:
+        head = f"epoch {epoch}/{args.epochs}  step {step}"
+        if args.max_steps:  # the run's length in steps
             head = f"step {step}/{args.max_steps}  epoch {epoch}"
-        else:
-            head = f"epoch {epoch}/{args.epochs}  step {step}"
         print(f"{head}  {one_line(row)}", flush=True)
 
 
