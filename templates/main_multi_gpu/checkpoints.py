@@ -79,15 +79,16 @@ def replacing(path, mode):
         ) from None
 
 
-def by_rank_0(device, write, *args):
-    """DDP change 4: rank 0 alone calls write(*args), which writes files. The others
-    wait for it (as they would at the next collective), so that a write that fails
-    there ends every rank together, with one line from rank 0."""
-    failed = torch.zeros((), device=device)
+def by_rank_0(device, task, *args):
+    """DDP change 4: rank 0 alone calls task(*args), which writes files (or reads
+    one), and returns what it returned (None on the other ranks). The others wait for
+    it (as they would at the next collective), so that a task that fails there ends
+    every rank together, with one line from rank 0."""
+    failed, result = torch.zeros((), device=device), None
     if dist.get_rank() == 0:
         try:
-            write(*args)
-        except SystemExit:  # a file's write failed, and replacing() said so
+            result = task(*args)
+        except SystemExit:  # it failed, and said so (replacing(), read_bytes())
             failed.fill_(1)
         except OSError as err:  # a folder that cannot be made, copied or moved
             failure(f"error: cannot write {err.filename}: {err.strerror or err}")
@@ -95,6 +96,7 @@ def by_rank_0(device, write, *args):
     dist.broadcast(failed, src=0)
     if failed.item():
         raise SystemExit(1)
+    return result
 
 
 {{ saving.load_checkpoint() }}
@@ -105,17 +107,7 @@ def load_shared(path, device, verb):
     file and sends its bytes to the others, so machines need not share a disk; each
     rank loads them with weights_only=True. A file that cannot be read or loaded:
     one line, "error: cannot <verb> <path>: <why>"."""
-    data, error = None, None
-    if dist.get_rank() == 0 and path is not None:
-        try:
-            data = path.read_bytes()
-        except OSError as err:
-            error = f"error: cannot {verb} {path}: {err.strerror or err}"
-    failed = torch.tensor(float(error is not None), device=device)
-    dist.broadcast(failed, src=0)
-    if failed.item():
-        raise failure(error)
-    data = broadcast_bytes(data, device)
+    data = broadcast_bytes(by_rank_0(device, read_bytes, path, verb), device)
     if data is None:
         return None
     try:
@@ -133,6 +125,14 @@ def load_shared(path, device, verb):
         why = "refused by weights_only=True" if refused else "not a checkpoint"
         raise failure(f"error: cannot {verb} {path}: {why} ({cause})") from err
     return loaded
+
+
+def read_bytes(path, verb):
+    """The bytes in `path` (None for no path), or one line saying why not."""
+    try:
+        return None if path is None else path.read_bytes()
+    except OSError as err:
+        raise failure(f"error: cannot {verb} {path}: {err.strerror or err}") from None
 
 
 def load_weights(model, weights, path, advice=""):
@@ -193,10 +193,9 @@ def settle_global_batch(args, checkpoint, world_size):
 {% endif %}
     new = [world_size, args.batch_size, args.grad_accum]
     if math.prod(new) != target and not args.allow_batch_change:
-        if target % world_size:
+        hint = f"e.g. --batch-size {target // world_size} --grad-accum 1"
+        if target % world_size:  # no --batch-size keeps it with these processes
             hint = f"use a number of processes that divides {target}"
-        else:
-            hint = f"e.g. --batch-size {target // world_size} --grad-accum 1"
         raise failure(
             f"error: the checkpoint's global batch is {target} ({describe(old)}); "
             f"{describe(new)} make {math.prod(new)}: {hint}, or pass "

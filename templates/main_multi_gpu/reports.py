@@ -12,10 +12,11 @@ class Reports(contextlib.ExitStack):
         self.t, self.out_dir, self.is_main = t, out_dir, dist.get_rank() == 0
         self.progress = self.profiler = self.writer = None
         self.start_interval()
-        # Every optimizer's steps are timed by hooks: the loop carries no timing code.
+        # Every optimizer's steps are timed by hooks, a mark before each and one after:
+        # the loop carries no timing code.
         for optimizer in t.optimizers.values():
-            self.callback(optimizer.register_step_pre_hook(self.began).remove)
-            self.callback(optimizer.register_step_post_hook(self.ended).remove)
+            self.callback(optimizer.register_step_pre_hook(self.mark_update).remove)
+            self.callback(optimizer.register_step_post_hook(self.mark_update).remove)
 {% if fsdp %}
         self.memory_shown = False
         self.callback(optimizer.register_step_post_hook(self.show_memory).remove)
@@ -36,11 +37,8 @@ class Reports(contextlib.ExitStack):
             profiler = torch.profiler.profile(schedule=schedule, on_trace_ready=trace)
             self.profiler = self.enter_context(profiler)
 
-    def began(self, *_):
-        self.step_began = self.mark()
-
-    def ended(self, *_):
-        self.updates.append((self.step_began, self.mark()))
+    def mark_update(self, *_):  # before an optimizer's step, and after it
+        self.updates.append(self.mark())
 {% if fsdp %}
 
     def show_memory(self, optimizer, *_):
@@ -134,7 +132,7 @@ class Reports(contextlib.ExitStack):
         if self.t.device.type == "cuda":
             torch.cuda.synchronize()  # the events above have all happened
         step_s = sum(seconds(a, b) for a, b in self.steps)
-        optimizer_s = sum(seconds(a, b) for a, b in self.updates)
+        optimizer_s = sum(map(seconds, self.updates[::2], self.updates[1::2]))
         trained_s = self.trained - self.since - self.aside_s  # saves left out
         epoch = at.epoch if not at.epoch_samples else at.epoch + 1  # done, or under way
         row = {"epoch": epoch, "step": at.step, "train_loss": train_loss}
