@@ -107,8 +107,7 @@ def build_val_loader(val_set, args, device):
     if isinstance(val_set, IterableDataset):
         shard = StreamShard(val_set, args, stream_shards(val_set, None, args))
         return StreamLoader(shard, args, device, lockstep={{ fsdp }})
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    shard = Subset(val_set, range(rank, len(val_set), world_size))
+    shard = Subset(val_set, range(dist.get_rank(), len(val_set), dist.get_world_size()))
     options = loader_options(val_set, args, device)
     return DataLoader(shard, batch_size=args.batch_size, **options)
 

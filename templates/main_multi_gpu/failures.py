@@ -240,12 +240,12 @@ def locate(frame):
     stack = traceback.extract_stack(frame)
     inner = ([entry for entry in stack if in_this_file(entry)] or stack)[-1]
     below = " ".join(entry.filename for entry in stack[stack.index(inner) + 1 :])
+    # On GPUs, a wait of this file's (.item()) for a collective queued before.
+    host_sync = not below and inner.name in HOST_SYNCS
     if "torch/utils/data" in below:
         kind = LOADER
-    elif any(part in below for part in COLLECTIVES):
-        kind = WAITS  # a collective, DDP's forward, or the gradient all-reduce
-    elif not below and inner.name in HOST_SYNCS:
-        kind = WAITS  # on GPUs: a wait (.item()) for a collective queued before
+    elif host_sync or any(part in below for part in COLLECTIVES):
+        kind = WAITS  # or in a collective, DDP's forward, the gradient all-reduce
     else:
         kind = "busy outside any collective"
     return f"{inner.name}, line {inner.lineno}: {inner.line}", kind
@@ -261,8 +261,7 @@ def print_stacks(rank, main_traceback=None, loader_workers=False):
     """Every thread's stack, each line starting with [rank N] (the main thread's as
     main_traceback has it, if given); then, if asked, the DataLoader workers'."""
     names = {thread.ident: thread.name for thread in threading.enumerate()}
-    frames = sys._current_frames()
-    main = threading.main_thread().ident
+    frames, main = sys._current_frames(), threading.main_thread().ident
     frames = {main: frames.pop(main), **frames}  # the main thread first
     lines = []
     for ident, frame in frames.items():
