@@ -10,10 +10,10 @@ def snapshot(t, at):
         "scheduler": packed({k: s and s.state_dict() for k, s in t.schedulers.items()}),
         "kept": {name: thing.state_dict() for name, (thing, _) in KEPT.items()},
         "scaler": t.scaler.state_dict(),
-        "epoch": at.epoch,  # passes done
-        "epoch_samples": at.samples,  # of the pass under way, over all ranks
-        "step": at.step,  # optimizer updates done
-        "stream": stream_states(t, at),  # {sub-stream: its state_dict()}, or None
+        # Where training stands (see Position), with the stream's states of every
+        # rank's readers in place of this rank's (at.stream).
+        **asdict(at),
+        "stream": stream_states(t, at),
         "stream_shards": getattr(t.train_data, "shards", None),  # see StreamShard
         "train_sums": list(t.sums.totals()),  # loss sum and units, over all ranks
         "global_batch": [world_size, args.batch_size, args.grad_accum],
@@ -79,15 +79,16 @@ def replacing(path, mode):
         ) from None
 
 
-def by_rank_0(device, write, *args):
-    """DDP change 4: rank 0 alone calls write(*args), which writes files. The others
-    wait for it (as they would at the next collective), so that a write that fails
-    there ends every rank together, with one line from rank 0."""
-    failed = torch.zeros((), device=device)
+def by_rank_0(device, task, *args):
+    """DDP change 4: rank 0 alone calls task(*args), which writes files (or reads
+    one), and returns what it returned (None on the other ranks). The others wait for
+    it (as they would at the next collective), so that a task that fails there ends
+    every rank together, with one line from rank 0."""
+    failed, result = torch.zeros((), device=device), None
     if dist.get_rank() == 0:
         try:
-            write(*args)
-        except SystemExit:  # a file's write failed, and replacing() said so
+            result = task(*args)
+        except SystemExit:  # it failed, and said so (replacing(), read_bytes())
             failed.fill_(1)
         except OSError as err:  # a folder that cannot be made, copied or moved
             failure(f"error: cannot write {err.filename}: {err.strerror or err}")
@@ -95,6 +96,7 @@ def by_rank_0(device, write, *args):
     dist.broadcast(failed, src=0)
     if failed.item():
         raise SystemExit(1)
+    return result
 
 
 {{ saving.load_checkpoint() }}
@@ -105,17 +107,7 @@ def load_shared(path, device, verb):
     file and sends its bytes to the others, so machines need not share a disk; each
     rank loads them with weights_only=True. A file that cannot be read or loaded:
     one line, "error: cannot <verb> <path>: <why>"."""
-    data, error = None, None
-    if dist.get_rank() == 0 and path is not None:
-        try:
-            data = path.read_bytes()
-        except OSError as err:
-            error = f"error: cannot {verb} {path}: {err.strerror or err}"
-    failed = torch.tensor(float(error is not None), device=device)
-    dist.broadcast(failed, src=0)
-    if failed.item():
-        raise failure(error)
-    data = broadcast_bytes(data, device)
+    data = broadcast_bytes(by_rank_0(device, read_bytes, path, verb), device)
     if data is None:
         return None
     try:
@@ -133,6 +125,14 @@ def load_shared(path, device, verb):
         why = "refused by weights_only=True" if refused else "not a checkpoint"
         raise failure(f"error: cannot {verb} {path}: {why} ({cause})") from err
     return loaded
+
+
+def read_bytes(path, verb):
+    """The bytes in `path` (None for no path), or one line saying why not."""
+    try:
+        return None if path is None else path.read_bytes()
+    except OSError as err:
+        raise failure(f"error: cannot {verb} {path}: {err.strerror or err}") from None
 
 
 def load_weights(model, weights, path, advice=""):
@@ -193,10 +193,9 @@ def settle_global_batch(args, checkpoint, world_size):
 {% endif %}
     new = [world_size, args.batch_size, args.grad_accum]
     if math.prod(new) != target and not args.allow_batch_change:
-        if target % world_size:
+        hint = f"e.g. --batch-size {target // world_size} --grad-accum 1"
+        if target % world_size:  # no --batch-size keeps it with these processes
             hint = f"use a number of processes that divides {target}"
-        else:
-            hint = f"e.g. --batch-size {target // world_size} --grad-accum 1"
         raise failure(
             f"error: the checkpoint's global batch is {target} ({describe(old)}); "
             f"{describe(new)} make {math.prod(new)}: {hint}, or pass "
@@ -237,8 +236,7 @@ def resume(t, checkpoint, out_dir):
             thing.load_state_dict(checkpoint["kept"][name])
         if checkpoint["scaler"]:  # empty when it was saved without --amp fp16
             t.scaler.load_state_dict(checkpoint["scaler"])
-        at = Position(*(checkpoint[k] for k in ("epoch", "epoch_samples", "step")))
-        at.stream = checkpoint["stream"]
+        at = Position(*(checkpoint[field.name] for field in fields(Position)))
         carried = tuple(checkpoint["train_sums"])  # over all ranks: rank 0 adds them
 {% if strategy == "best" %}
         t.best_val_loss = checkpoint.get("best_val_loss", math.inf)
@@ -267,19 +265,19 @@ def resume_position(t, at, saved_batch):
     args, world_size = t.args, dist.get_world_size()
     if isinstance(t.train_data, StreamShard):
         shards = t.train_data.shards
-        if at.samples and None in at.stream.values():
-            again = f"every reader reads its first {at.samples} items again"
+        if at.epoch_samples and None in at.stream.values():
+            again = f"every reader reads its first {at.epoch_samples} items again"
             if shards:
                 again = f"each of its {shards} shards is read again, by one reader,"
             line = "resume: the training stream has no state_dict(), so"
             print0(f"{line} {again} to get there")
-    elif again := at.samples % (args.batch_size * world_size):
+    elif again := at.epoch_samples % (args.batch_size * world_size):
         print0(f"resume: {again} samples of this pass are trained again")
-        at.samples -= again
+        at.epoch_samples -= again
     global_batch = world_size * args.batch_size * args.grad_accum
     if global_batch != saved_batch and t.steps_per_pass:
         per_pass = math.ceil(t.steps_per_pass / args.grad_accum)
-        at.step = at.epoch * per_pass + at.samples // global_batch
+        at.step = at.epoch * per_pass + at.epoch_samples // global_batch
     elif global_batch != saved_batch:  # a stream of unknown length: by samples
         at.step = at.step * saved_batch // global_batch
 

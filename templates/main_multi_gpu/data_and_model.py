@@ -26,8 +26,8 @@ def build_training(args, device, checkpoint):
     t = Training(args=args, device=device)
 {% endif %}
     train_set, val_set = datasets(args)
-    loaders = build_loaders(train_set, val_set, args, device, checkpoint)
-    t.train_data, t.train_loader, t.val_loader = loaders
+    t.train_data, t.train_loader = build_loader(train_set, args, device, checkpoint)
+    t.val_loader = build_val_loader(val_set, args, device)
     t.steps_per_pass = pass_steps(train_set, t.train_loader, args)
     size = len(train_set) if isinstance(train_set, Sized) else math.inf
     if (batch := dist.get_world_size() * args.batch_size * args.grad_accum) > size:
@@ -77,27 +77,26 @@ class Held:
         return signal.pthread_sigmask, (signal.SIG_BLOCK, STOPS)
 
 
-def build_loaders(train_set, val_set, args, device, checkpoint):
-    """DDP change 2: each rank reads a different 1/world_size of the training set
-    (a single-GPU script would pass shuffle=True to the DataLoader instead)."""
+def build_loader(train_set, args, device, checkpoint):
+    """The training set's ResumableSampler (a stream's StreamShard) and DataLoader.
+    DDP change 2: each rank reads a different 1/world_size of the training set (a
+    single-GPU script would pass shuffle=True to the DataLoader instead)."""
     if isinstance(train_set, IterableDataset):
         # Kept by checkpoints: a resume reads the stream as the run began to.
         shards = stream_shards(train_set, checkpoint, args, say=True)
         train_data = StreamShard(train_set, args, shards, every=args.grad_accum)
-        train_loader = StreamLoader(train_data, args, device, lockstep=True)
-        return train_data, train_loader, build_val_loader(val_set, args, device)
+        return train_data, StreamLoader(train_data, args, device, lockstep=True)
     common = loader_options(train_set, args, device)
     shard = DistributedSampler(train_set, shuffle=True, seed=args.seed)
     train_data = ResumableSampler(shard)
 {% if cookiecutter.use_batch_sampler %}
     batch_sampler = BatchSampler(train_data, args.batch_size, drop_last=False)
-    train_loader = DataLoader(train_set, batch_sampler=batch_sampler, **common)
+    return train_data, DataLoader(train_set, batch_sampler=batch_sampler, **common)
 {% else %}
-    train_loader = DataLoader(
+    return train_data, DataLoader(
         train_set, batch_size=args.batch_size, sampler=train_data, **common
     )
 {% endif %}
-    return train_data, train_loader, build_val_loader(val_set, args, device)
 
 
 def build_val_loader(val_set, args, device):
@@ -108,8 +107,7 @@ def build_val_loader(val_set, args, device):
     if isinstance(val_set, IterableDataset):
         shard = StreamShard(val_set, args, stream_shards(val_set, None, args))
         return StreamLoader(shard, args, device, lockstep={{ fsdp }})
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    shard = Subset(val_set, range(rank, len(val_set), world_size))
+    shard = Subset(val_set, range(dist.get_rank(), len(val_set), dist.get_world_size()))
     options = loader_options(val_set, args, device)
     return DataLoader(shard, batch_size=args.batch_size, **options)
 

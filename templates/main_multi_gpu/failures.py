@@ -116,10 +116,10 @@ LOADER = "waits for its DataLoader workers"
 {{ par.collectives() }}
 # With NCCL a collective only queues work on the GPU: a rank waiting for the others
 # stops at its next wait for the GPU instead. This file's functions that wait so
-# (.item(), .tolist(), a copy), and torch's: GradScaler's check for infs, clipping.
-HOST_SYNCS = {"check", "totals", "diverged_failure", "evaluate", "load_shared"}
-HOST_SYNCS |= {"by_rank_0", "broadcast_bytes", "preflight", "to_device"}
-HOST_SYNCS |= {"train_pass", "lockstep"}  # a stream's end: does any rank have more?
+# (.item(), .tolist(), a copy; train_pass and lockstep: at a stream's end, whether any
+# rank has more), and torch's: GradScaler's check for infs, clipping.
+HOST_SYNCS = {"check", "totals", "diverged_failure", "evaluate", "by_rank_0"}
+HOST_SYNCS |= {"broadcast_bytes", "preflight", "to_device", "train_pass", "lockstep"}
 COLLECTIVES += ("torch/amp/grad_scaler", "torch/nn/utils/clip_grad")
 # How gloo says that another rank went away or timed out, in plain RuntimeErrors
 # (NCCL and the store raise DistErrors).
@@ -206,11 +206,10 @@ class HangWatch:
         """Where each rank stood, and which one the others are waiting for."""
         lines, stuck = [], []
         for rank in range(self.world_size):
-            key = f"where/{rank}"
-            if not self.store.check([key]):
+            if not self.store.check([f"where/{rank}"]):
                 lines.append(f"  rank {rank}: no answer (its Python is blocked)")
                 continue
-            kind, where = self.store.get(key).decode().split("\t")
+            kind, where = self.store.get(f"where/{rank}").decode().split("\t")
             lines.append(f"  rank {rank}: {where}  ({kind})")
             if kind != WAITS:
                 stuck.append(str(rank))
@@ -241,12 +240,12 @@ def locate(frame):
     stack = traceback.extract_stack(frame)
     inner = ([entry for entry in stack if in_this_file(entry)] or stack)[-1]
     below = " ".join(entry.filename for entry in stack[stack.index(inner) + 1 :])
+    # On GPUs, a wait of this file's (.item()) for a collective queued before.
+    host_sync = not below and inner.name in HOST_SYNCS
     if "torch/utils/data" in below:
         kind = LOADER
-    elif any(part in below for part in COLLECTIVES):
-        kind = WAITS  # a collective, DDP's forward, or the gradient all-reduce
-    elif not below and inner.name in HOST_SYNCS:
-        kind = WAITS  # on GPUs: a wait (.item()) for a collective queued before
+    elif host_sync or any(part in below for part in COLLECTIVES):
+        kind = WAITS  # or in a collective, DDP's forward, the gradient all-reduce
     else:
         kind = "busy outside any collective"
     return f"{inner.name}, line {inner.lineno}: {inner.line}", kind
@@ -262,8 +261,7 @@ def print_stacks(rank, main_traceback=None, loader_workers=False):
     """Every thread's stack, each line starting with [rank N] (the main thread's as
     main_traceback has it, if given); then, if asked, the DataLoader workers'."""
     names = {thread.ident: thread.name for thread in threading.enumerate()}
-    frames = sys._current_frames()
-    main = threading.main_thread().ident
+    frames, main = sys._current_frames(), threading.main_thread().ident
     frames = {main: frames.pop(main), **frames}  # the main thread first
     lines = []
     for ident, frame in frames.items():

@@ -36,7 +36,7 @@ import traceback
 import types
 import warnings
 from collections.abc import Mapping, Sized
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from datetime import timedelta
 from pathlib import Path
 

@@ -12,10 +12,11 @@ class Reports(contextlib.ExitStack):
         self.t, self.out_dir, self.is_main = t, out_dir, dist.get_rank() == 0
         self.progress = self.profiler = self.writer = None
         self.start_interval()
-        # Every optimizer's steps are timed by hooks: the loop carries no timing code.
+        # Every optimizer's steps are timed by hooks, a mark before each and one after:
+        # the loop carries no timing code.
         for optimizer in t.optimizers.values():
-            self.callback(optimizer.register_step_pre_hook(self.began).remove)
-            self.callback(optimizer.register_step_post_hook(self.ended).remove)
+            self.callback(optimizer.register_step_pre_hook(self.mark_update).remove)
+            self.callback(optimizer.register_step_post_hook(self.mark_update).remove)
 {% if fsdp %}
         self.memory_shown = False
         self.callback(optimizer.register_step_post_hook(self.show_memory).remove)
@@ -36,11 +37,8 @@ class Reports(contextlib.ExitStack):
             profiler = torch.profiler.profile(schedule=schedule, on_trace_ready=trace)
             self.profiler = self.enter_context(profiler)
 
-    def began(self, *_):
-        self.step_began = self.mark()
-
-    def ended(self, *_):
-        self.updates.append((self.step_began, self.mark()))
+    def mark_update(self, *_):  # before an optimizer's step, and after it
+        self.updates.append(self.mark())
 {% if fsdp %}
 
     def show_memory(self, optimizer, *_):
@@ -97,15 +95,14 @@ class Reports(contextlib.ExitStack):
         batch, and each step from its batch to the next request; and counted."""
         args, per_step = self.t.args, self.t.args.batch_size * dist.get_world_size()
         of = "" if args.max_steps else f"/{args.epochs}"
-        self.progress = tqdm(
+        done = at.epoch_samples  # samples of the pass done, over all ranks
+        with tqdm(  # the bar, closed also when the loop stops early (a stop, an error)
             total=self.t.steps_per_pass,
-            initial=at.samples // per_step,
+            initial=at.epoch_samples // per_step,
             desc=f"epoch {at.epoch + 1}{of}",
             leave=False,
             disable=not (self.is_main and sys.stderr.isatty()),
-        )
-        done = at.samples  # samples of the pass done, over all ranks
-        with self.progress:  # closed also when the loop stops early (a stop, an error)
+        ) as self.progress:
             while True:
                 tick = time.perf_counter()
                 item = next(data, None)
@@ -126,43 +123,40 @@ class Reports(contextlib.ExitStack):
         training since the previous row (its steps; saves left out), then the
         validation metrics. Every rank calls it (the loss is summed over ranks)."""
         loss_sum, units = self.t.sums.totals(reset=True)
-        row = None
-        if self.is_main:
-            if self.t.device.type == "cuda":
-                torch.cuda.synchronize()  # the events above have all happened
-            step_s = sum(seconds(a, b) for a, b in self.steps)
-            optimizer_s = sum(seconds(a, b) for a, b in self.updates)
-            trained_s = self.trained - self.since - self.aside_s  # saves left out
-            epoch = at.epoch if not at.samples else at.epoch + 1  # done, or under way
-            row = {"epoch": epoch, "step": at.step}
-            row["train_loss"] = loss_sum / units if units else math.nan
-            row |= {f"val_{name}": value for name, value in metrics.items()}
-            row |= {  # each optimizer's: lr, or lr_NAME for several
-                f"lr_{name}" if name else "lr": optimizer.param_groups[0]["lr"]
-                for name, optimizer in self.t.optimizers.items()
-            }
-            row |= {
-                "samples_per_s": self.samples / trained_s,
-                "epoch_s": time.perf_counter() - self.since,
-                "data_s": self.data_s,
-                "compute_s": step_s - optimizer_s,
-                "optimizer_s": optimizer_s,
-            }
-        by_rank_0(self.t.device, self.write, row)
+        train_loss = loss_sum / units if units else math.nan
+        by_rank_0(self.t.device, self.write, at, train_loss, metrics)
         self.start_interval()
 
-    def write(self, row):
+    def write(self, at, train_loss, metrics):
         """Rank 0: the row into metrics.csv and TensorBoard, and as a line."""
+        if self.t.device.type == "cuda":
+            torch.cuda.synchronize()  # the events above have all happened
+        step_s = sum(seconds(a, b) for a, b in self.steps)
+        optimizer_s = sum(map(seconds, self.updates[::2], self.updates[1::2]))
+        trained_s = self.trained - self.since - self.aside_s  # saves left out
+        epoch = at.epoch if not at.epoch_samples else at.epoch + 1  # done, or under way
+        row = {"epoch": epoch, "step": at.step, "train_loss": train_loss}
+        row |= {f"val_{name}": value for name, value in metrics.items()}
+        row |= {  # each optimizer's: lr, or lr_NAME for several
+            f"lr_{name}" if name else "lr": optimizer.param_groups[0]["lr"]
+            for name, optimizer in self.t.optimizers.items()
+        }
+        row |= {
+            "samples_per_s": self.samples / trained_s,
+            "epoch_s": time.perf_counter() - self.since,
+            "data_s": self.data_s,
+            "compute_s": step_s - optimizer_s,
+            "optimizer_s": optimizer_s,
+        }
         path = self.out_dir / "metrics.csv"  # a column new in it joins the header
         write_metrics(path, [*read_metrics(path), row])
         if self.writer:
             for key, value in row.items():
                 self.writer.add_scalar(key, value, row["step"])
         args, epoch, step = self.t.args, row.pop("epoch"), row.pop("step")
-        if args.max_steps:
+        head = f"epoch {epoch}/{args.epochs}  step {step}"
+        if args.max_steps:  # the run's length in steps
             head = f"step {step}/{args.max_steps}  epoch {epoch}"
-        else:
-            head = f"epoch {epoch}/{args.epochs}  step {step}"
         print(f"{head}  {one_line(row)}", flush=True)
 
 
@@ -201,10 +195,10 @@ def write_metrics(path, rows):
     with replacing(path, "w") as f:
         writer = csv.DictWriter(f, columns)
         writer.writeheader()
-        for row in rows:  # floats to 8 significant digits
-            writer.writerow(
-                {k: f"{v:.8g}" if isinstance(v, float) else v for k, v in row.items()}
-            )
+        writer.writerows(  # floats to 8 significant digits
+            {k: f"{v:.8g}" if isinstance(v, float) else v for k, v in row.items()}
+            for row in rows
+        )
 
 
 def plot_losses(metrics_path, png_path):

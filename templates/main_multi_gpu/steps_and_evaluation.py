@@ -95,8 +95,7 @@ def check(t, reports):
     sums = t.sums
     recent = sums.recent[: sums.count]
 {{ par.local_finite() }}
-    stopping = float(STOP_SIGNAL is not None)
-    flags = torch.stack([finite.new_full((), stopping, dtype=torch.float64), ~finite])
+    flags = torch.stack([finite.new_tensor(STOP_SIGNAL is not None), ~finite]).double()
     dist.all_reduce(flags)
     stop, diverged = flags.tolist()
     if diverged:
@@ -153,9 +152,9 @@ def where(at, batch_size):
     """A position as the run's lines say it: "after epoch 2", "in epoch 3 after 20
     batches" (each process's batches, --batch-size each: with --grad-accum 2, two
     batches make an optimizer update)."""
-    if not at.samples:
+    if not at.epoch_samples:
         return f"after epoch {at.epoch}"
-    batches = at.samples // (batch_size * dist.get_world_size())
+    batches = at.epoch_samples // (batch_size * dist.get_world_size())
     return f"in epoch {at.epoch + 1} after {batches} batch{'es' * (batches != 1)}"
 
 

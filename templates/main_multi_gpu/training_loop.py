@@ -74,8 +74,7 @@ def setup_distributed(backend, timeout):
     cuda = torch.cuda.is_available()
     backend = ("nccl" if cuda else "gloo") if backend == "auto" else backend
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    problem = cuda_problem(backend, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    if problem:
+    if problem := cuda_problem(backend, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))):
         raise failure(problem)
     device = torch.device("cpu")
     if cuda:
@@ -214,10 +213,10 @@ def named(built):
 
 @dataclass
 class Position:
-    """Where training stands, as a checkpoint keeps it."""
+    """Where training stands, as a checkpoint keeps it (under the same names)."""
 
     epoch: int = 0  # passes over the training data done
-    samples: int = 0  # samples of the pass under way trained, over all ranks
+    epoch_samples: int = 0  # samples of the pass under way trained, over all ranks
     step: int = 0  # optimizer updates done
     stream: dict = None  # the training stream's state_dict() there, where it has one
 
@@ -272,7 +271,7 @@ def train_pass(t, at, reports):
     seed = args.seed + dist.get_rank()
     reseed(seed + at.step * dist.get_world_size(), device)
     t.sums.epoch = at.epoch
-    t.sums.next_step = at.samples // (args.batch_size * dist.get_world_size())
+    t.sums.next_step = at.epoch_samples // (args.batch_size * dist.get_world_size())
     # An update steps every optimizer; with ALTERNATE, each in its own turn.
     turns = [(name,) for name in t.optimizers] if ALTERNATE else [()]
     micro, held = 0, []  # micro-batches of this pass in this run; of this update
@@ -298,9 +297,9 @@ def train_pass(t, at, reports):
             # Where this rank's stream shards ran out: has any rank's not? The news
             # came with the gradients (see Step): a wait here, at a pass's end only.
             last = not (more or apart and t.more.item())
-            at.step, at.samples, at.stream = at.step + 1, position, state
+            at.step, at.epoch_samples, at.stream = at.step + 1, position, state
             if last:  # the pass is done
-                at.epoch, at.samples, at.stream = at.epoch + 1, 0, None
+                at.epoch, at.epoch_samples, at.stream = at.epoch + 1, 0, None
             if after_update(t, at, reports, last):
                 return True
             if last or at.step == args.max_steps:
@@ -336,11 +335,11 @@ def pass_data(t, at):
 {% if cookiecutter.use_batch_sampler %}
     # (The BatchSampler draws from this same sampler, so it follows.)
 {% endif %}
-    t.train_data.set_epoch(at.epoch, at.samples, at.stream)
+    t.train_data.set_epoch(at.epoch, at.epoch_samples, at.stream)
     if isinstance(t.train_data, StreamShard):
         yield from t.train_loader  # it says all of that itself (see StreamLoader)
         return
-    start, per_step = at.samples, t.args.batch_size * dist.get_world_size()
+    start, per_step = at.epoch_samples, t.args.batch_size * dist.get_world_size()
     total = len(t.train_data.sampler) * dist.get_world_size()  # padded to equal shares
     steps = len(t.train_loader)
     for j, batch in enumerate(t.train_loader, 1):
