@@ -256,7 +256,8 @@ def test_every_host_read_after_a_collective_is_named_a_wait(tmp_path, parallelis
     """A stack stopped in a function that reads a collective's result on the host
     (.item(), .tolist()) is reported as waiting for the others (HOST_SYNCS), not as
     busy: every such function of the generated file is listed, and only those, with
-    to_device, whose copy to the GPU waits for the work queued before it (NCCL's)."""
+    to_device, whose copy to the GPU waits for the work queued before it (NCCL's),
+    and train_pass, which reads the gradients' reduction (at a stream's end)."""
     project = bake(tmp_path, parallelism=parallelism)
     tree = ast.parse((project / "main_multi_gpu.py").read_text())
     waits = set()
@@ -275,4 +276,4 @@ def test_every_host_read_after_a_collective_is_named_a_wait(tmp_path, parallelis
             target = node.targets[0] if isinstance(node, ast.Assign) else node.target
             if ast.unparse(target) == "HOST_SYNCS":
                 listed |= ast.literal_eval(node.value)
-    assert waits | {"to_device"} == listed
+    assert waits | {"to_device", "train_pass"} == listed

@@ -119,7 +119,11 @@ LOADER = "waits for its DataLoader workers"
 # (.item(), .tolist(), a copy; train_pass and lockstep: at a stream's end, whether any
 # rank has more), and torch's: GradScaler's check for infs, clipping.
 HOST_SYNCS = {"check", "totals", "diverged_failure", "evaluate", "by_rank_0"}
+{% if fsdp %}
 HOST_SYNCS |= {"broadcast_bytes", "preflight", "to_device", "train_pass", "lockstep"}
+{% else %}
+HOST_SYNCS |= {"broadcast_bytes", "preflight", "to_device", "train_pass"}
+{% endif %}
 COLLECTIVES += ("torch/amp/grad_scaler", "torch/nn/utils/clip_grad")
 # How gloo says that another rank went away or timed out, in plain RuntimeErrors
 # (NCCL and the store raise DistErrors).
