@@ -173,9 +173,6 @@ class StreamShard(IterableDataset):
         self.width = self.world_size * args.batch_size  # places in a block
         self.workers = max(args.num_workers, 1)
         self.epoch, self.start, self.states = 0, 0, {}
-        # A part crosses to the training process collated (default_collate: a few
-        # tensors, not one per item), unless the stream collates its own way.
-        self.pack = list if getattr(stream, "collate_fn", None) else default_collate
 
     def set_epoch(self, epoch, samples=0, state=None):
         """Pass `epoch`, from place `samples` on, where the sub-streams' states were
@@ -202,8 +199,7 @@ class StreamShard(IterableDataset):
                         part.append(heads[i][1])
                     heads[i] = next(sub)
             done = all(place == math.inf for place, _, _ in heads)
-            states = {c: state for c, (*_, state) in zip(owned, heads)}
-            yield self.pack(part) if part else None, done, states
+            yield part, done, {c: state for c, (*_, state) in zip(owned, heads)}
 
     def read(self, c):
         """Sub-stream c from the pass's start on, as (place, item, state), and at its
@@ -245,10 +241,10 @@ class StreamLoader(DataLoader):
 
     def __init__(self, shard, args, device, lockstep):
         options = loader_options(shard.stream, args, device)
-        whole = options["collate_fn"]  # the stream's own, on the whole micro-batch
-        join = (lambda parts: whole([*itertools.chain(*parts)])) if whole else joined
-        pin = pin_memory if options["pin_memory"] else lambda batch: batch  # here
-        self.collate, self.lockstep = lambda parts: pin(join(parts)), lockstep
+        collate = options["collate_fn"] or default_collate
+        # Pinned (on GPUs) here, once collated.
+        pin = pin_memory if options["pin_memory"] else lambda batch: batch
+        self.collate, self.lockstep = lambda items: pin(collate(items)), lockstep
         options.update(collate_fn=tuple, pin_memory=False)  # parts pass as they are
         super().__init__(shard, batch_size=None, **options)
 
@@ -257,37 +253,22 @@ class StreamLoader(DataLoader):
         place, batch = shard.start, None
         while True:
             got = [next(parts) for _ in range(shard.workers)]
-            filled = [part for part, _, _ in got if part is not None]
+            items = [item for part, _, _ in got for item in part]
             more = not all(done for _, done, _ in got)
             states = {c: state for *_, kept in got for c, state in kept.items()}
             place += shard.width
-            if filled:  # (the latest batch stands in where this rank has none)
-                batch = self.collate(filled)
+            if items:  # (the latest batch stands in where this rank has none)
+                batch = self.collate(items)
             elif self.lockstep and batch is None:  # none yet: one item to stand in
                 if not (first := list(itertools.islice(shard.stream, 1))):
                     return  # an empty stream
-                batch = self.collate([shard.pack(first)])
+                batch = self.collate(first)
             if self.lockstep:
-                yield batch, bool(filled), place, more, states
-            elif filled:
+                yield batch, bool(items), place, more, states
+            elif items:
                 yield batch
             if not (more or self.lockstep and shard.shards):  # read whole: all end
                 return
-
-
-def joined(batches):
-    """default_collate's batches of consecutive items (the parts of a micro-batch), as
-    the batch of them all: their tensors concatenated, their lists of strings joined."""
-
-    def join(*parts):
-        if torch.is_tensor(parts[0]):
-            return torch.cat(parts)
-        return [*itertools.chain(*parts)]
-
-    def strings(value):
-        return isinstance(value, list) and all(isinstance(s, str) for s in value)
-
-    return tree_map(join, *batches, is_leaf=strings)
 
 
 def loader_worker_init(trainer, held, worker_id):
