@@ -48,8 +48,7 @@ class Step(nn.Module):
             expected = "(loss, n): the mean loss over n units, a tensor of shape ()"
             raise returned("compute_loss", out, expected)
         n = n if real else 0  # a stand-in batch at a stream's end weighs nothing
-        counted = self.units[:, 0].sum() * n
-        return loss, n, counted + self.units[:, 1].sum() if more else counted
+        return loss, n, self.units[:, 0].sum() * n + self.units[:, 1].sum() * bool(more)
 {% if fsdp %}
 
     def metrics(self, batch):
