@@ -22,15 +22,14 @@ import pytest
 import torch
 
 from conftest import (
-    act_after_step,
     bake,
-    load_weights,
     max_difference,
     metrics,
     replace_user_functions,
     run_warm,
 )
 from test_faults import watch
+from test_streams import final, stream_project
 from test_workbench import REGRESSION
 
 # 16 files' worth of rows, file f holding 3 + f of them: 168 a pass. Placed
@@ -146,19 +145,8 @@ def every_row_once(rows):
     return sorted(rows) == sorted((f, i) for f in range(16) for i in range(3 + f))
 
 
-def shards_project(tmp_path, name, source, **answers):
-    project = bake(tmp_path / name, **answers)
-    replace_user_functions(project, source)
-    act_after_step(project)
-    return project
-
-
-def final(out_dir):
-    return load_weights(out_dir / "model_final.pt")
-
-
 def test_each_row_is_read_once_a_pass_for_any_processes_and_workers(tmp_path):
-    project = shards_project(tmp_path, "shards", SHARDS, save_strategy="final_only")
+    project = stream_project(tmp_path, "shards", SHARDS, save_strategy="final_only")
     runs = {"2x2": (2, 8, 2), "1x2": (1, 16, 2), "1x0": (1, 16, 0)}
     for name, (nproc, batch, workers) in runs.items():
         log = tmp_path / f"{name}.log"
@@ -189,7 +177,7 @@ def test_each_row_is_read_once_a_pass_for_any_processes_and_workers(tmp_path):
 def test_fsdp2_reads_each_row_once_and_evaluates_exactly(tmp_path):
     """parallelism=fsdp2, whose evaluation takes every forward on every process: a
     process whose validation shards ran out takes stand-ins until none has more."""
-    project = shards_project(tmp_path, "fsdp2", SHARDS, parallelism="fsdp2")
+    project = stream_project(tmp_path, "fsdp2", SHARDS, parallelism="fsdp2")
     log = tmp_path / "reads.log"
     runs = {"2x2": (2, 8, 2), "1x0": (1, 16, 0)}
     for name, (nproc, batch, workers) in runs.items():
@@ -208,7 +196,7 @@ def straight(tmp_path_factory):
     """The final weights of the run that never stopped: 2 processes x batch 8,
     without DataLoader workers (the runs compared with it have some)."""
     root = tmp_path_factory.mktemp("straight")
-    project = shards_project(root, "shards", SHARDS, save_strategy="last")
+    project = stream_project(root, "shards", SHARDS, save_strategy="last")
     run_warm(project, root / "out", 2, *RUN, "--batch-size", "8", "--num-workers", "0")
     return final(root / "out")
 
@@ -220,7 +208,7 @@ def test_each_shard_resumes_from_its_state_on_another_number_of_processes(
     """Stopped after update 9 of pass 1 on 2 processes x 2 workers, resumed on 1
     process without workers: its one reader loads the states of the shards not yet
     read to their end, and reads none of the others."""
-    project = shards_project(tmp_path, "seek", SEEKABLE, save_strategy="last")
+    project = stream_project(tmp_path, "seek", SEEKABLE, save_strategy="last")
     out, seeks, log = tmp_path / "out", tmp_path / "seek.log", tmp_path / "read.log"
     env = {"SEEK_LOG": str(seeks), "READ_LOG": str(log)}
     two = [*RUN, "--batch-size", "8", "--num-workers", "2"]
@@ -247,7 +235,7 @@ def test_each_shard_resumes_from_its_state_on_another_number_of_processes(
 def test_each_shard_without_state_is_read_again_by_one_reader(tmp_path, straight):
     """The spawn launcher; stopped after update 9 of pass 1 on 2 processes x 2
     workers, resumed on 1 process with 2 workers."""
-    project = shards_project(
+    project = stream_project(
         tmp_path, "shards", SHARDS, save_strategy="last", launcher="spawn"
     )
     out, log = tmp_path / "out", tmp_path / "read.log"
@@ -275,7 +263,7 @@ def test_each_shard_without_state_is_read_again_by_one_reader(tmp_path, straight
 def test_a_shard_reader_killed_without_warning_resumes_from_its_last_save(
     tmp_path, straight
 ):
-    project = shards_project(tmp_path, "seek", SEEKABLE, save_strategy="every_epoch")
+    project = stream_project(tmp_path, "seek", SEEKABLE, save_strategy="every_epoch")
     out = tmp_path / "out"
     args = [*RUN, "--batch-size", "8", "--num-workers", "2", "--save-every", "4"]
     command = ["./run_single.sh", *args, "--output-dir", str(out)]
