@@ -330,7 +330,9 @@ def without_batchnorm(project):
 # The line of the training loop that records each optimizer update; code added after
 # it runs after every update, with `here` in scope: "rank:epoch:step" (0-based, step
 # the micro-batch of this process within the pass).
-UPDATE = "            at.step, at.epoch_samples, at.stream = at.step + 1, position, state\n"
+UPDATE = (
+    "            at.step, at.epoch_samples, at.stream = at.step + 1, position, state\n"
+)
 HERE = f"""{UPDATE}            per_step = dist.get_world_size() * args.batch_size
             step = -(-position // per_step) - 1
             here = f"{{dist.get_rank()}}:{{at.epoch}}:{{step}}"

@@ -192,8 +192,13 @@ def test_freed_memory_is_kept_instead_of_faulted_in_every_step(tmp_path):
     """keep_freed_memory() takes the kernel out of the CPU step: without it, glibc
     returns and re-faults ~1000 pages a step here (a fifth of the step time)."""
     faults = {}
-    for kept in (True, False):
-        project = bake(tmp_path / str(kept), save_strategy="final_only")
+    # The control (the call removed) faults anywhere from 20 to 1500 times a step
+    # here, with the same code (where glibc's heap happens to end): up to 3 runs of
+    # it, to show the measurement sees faults.
+    for run, kept in enumerate((True, False, False, False)):
+        if faults.get(False, 0) > 20:
+            break
+        project = bake(tmp_path / str(run), save_strategy="final_only")
         edit(project, UPDATE, PAGE_FAULTS)
         if not kept:  # the control: the call removed
             edit(project, KEEP_FREED_MEMORY, "    pass  #")
@@ -201,14 +206,14 @@ def test_freed_memory_is_kept_instead_of_faulted_in_every_step(tmp_path):
         # happen to fault less, with the same code). Launched afresh, not forked from
         # a warm interpreter: its heap, grown by earlier jobs, would hide the faults.
         args = ["--epochs", "1", "--num-workers", "0", "--train-size", "12800"]
-        output = run_single(project, tmp_path / f"out{kept}", 2, *args)
+        output = run_single(project, tmp_path / f"out{run}", 2, *args)
         [line] = [x for x in output.splitlines() if x.startswith("page faults per")]
-        faults[kept] = float(line.split(":")[1])
+        faults[kept] = max(faults.get(kept, 0), float(line.split(":")[1]))
         # And torch's objects are out of the garbage collector's sight (see below).
         [line] = [x for x in output.splitlines() if x.startswith("frozen objects")]
         assert int(line.split(":")[1]) > FROZEN_AT_LEAST, output
-    assert faults[True] < 5, faults
-    assert faults[False] > 20, faults  # 40-1500 here, with the same code
+    assert faults[True] < 2, faults  # 0.3-0.45 here
+    assert faults[False] > 20, faults
 
 
 PRINT_MALLOC_ENV = (
