@@ -168,9 +168,10 @@ def test_without_numpy_matplotlib_or_tensorboard(project, tmp_path):
 
     command = ["./run_single.sh", *TINY, "--output-dir", str(tmp_path / "tb")]
     code, output = run_job([*command, "--tensorboard"], project, env)
-    assert code == 1
+    assert code == 2  # refused before anything starts
     lines = [line for line in output.splitlines() if line.startswith("error:")]
-    assert lines == ["error: --tensorboard needs TensorBoard: pip install tensorboard"]
+    line = "error: --tracker tensorboard needs tensorboard: pip install tensorboard"
+    assert lines == [line]
 
 
 # After each optimizer step: rank 0 prints its minor page faults per step over 180

@@ -11,6 +11,8 @@ def parse_args(argv=None):
     add_speed_arguments(parser.add_argument_group("speed and insight"))
     add_running_arguments(parser.add_argument_group("processes and machines"))
     args = parser.parse_args(argv)
+    args.tracker = list(dict.fromkeys(args.tracker))  # each once
+    check_trackers(args.tracker)
     if not (args.evaluate or args.preflight):  # the modes that write nothing
         check_output_dir(args.output_dir)
 {% if spawn and multi %}
@@ -191,10 +193,49 @@ def add_speed_arguments(parser):
         help="write a torch.profiler trace of N steps of rank 0 to DIR/profile",
     )
     parser.add_argument(
-        "--tensorboard",
-        action="store_true",
-        help="also log metrics to DIR/tensorboard (needs tensorboard)",
+        "--tracker",
+        action="extend",
+        type=tracker_names,
+        default=[],
+        metavar="NAMES",
+        help="rank 0 logs each evaluation's metrics there too: a comma list of "
+        "tensorboard, wandb, mlflow (one tracker run per output folder, continued "
+        "by every resume)",
     )
+    parser.add_argument(
+        "--tensorboard",
+        action="append_const",
+        dest="tracker",
+        const="tensorboard",
+        help="the same as --tracker tensorboard",
+    )
+    parser.add_argument(
+        "--experiment",
+        default="{{ cookiecutter.project_slug }}",
+        help="the trackers' project (W&B) or experiment (MLflow)",
+    )
+    parser.add_argument(
+        "--run-name",
+        help="the tracker run's name (default: the output folder's name)",
+    )
+
+
+def tracker_names(text):
+    names = [name for name in text.split(",") if name]
+    if unknown := set(names) - set(TRACKERS):
+        choices = ", ".join(TRACKERS)
+        raise argparse.ArgumentTypeError(f"{unknown.pop()!r} is not one of {choices}")
+    return names
+
+
+def check_trackers(names):
+    """Each tracker named is installed: else one line, before any process starts."""
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            line = f"error: --tracker {name} needs {name}: pip install {name}"
+            raise failure(line, status=2) from None
 
 
 def add_running_arguments(parser):

@@ -3,14 +3,14 @@
 # --------------------------------------------------------------------------------------
 class Reports(contextlib.ExitStack):
     """Everything a run reports besides the training itself: the progress bar, where
-    the time goes, the profiler, metrics.csv, TensorBoard and the line per
+    the time goes, the profiler, metrics.csv, the trackers and the line per
     evaluation. Every rank times its own steps; rank 0 alone shows and writes. What
     it starts ends with the `with` block (an ExitStack)."""
 
-    def __init__(self, t, out_dir):
+    def __init__(self, t, at, out_dir):
         super().__init__()
         self.t, self.out_dir, self.is_main = t, out_dir, dist.get_rank() == 0
-        self.progress = self.profiler = self.writer = None
+        self.progress = self.profiler = self.trackers = None
         self.start_interval()
         # Every optimizer's steps are timed by hooks, a mark before each and one after:
         # the loop carries no timing code.
@@ -21,15 +21,11 @@ class Reports(contextlib.ExitStack):
         self.memory_shown = False
         self.callback(optimizer.register_step_post_hook(self.show_memory).remove)
 {% endif %}
-        if t.args.tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as err:
-                raise failure(
-                    "error: --tensorboard needs TensorBoard: pip install tensorboard"
-                ) from err
-            if self.is_main:
-                self.writer = self.enter_context(SummaryWriter(out_dir / "tensorboard"))
+        self.code = 0  # the exit status, for the trackers: a stop sets it
+        if t.args.tracker:  # rank 0's; the others wait: a failure there ends them too
+            self.trackers = by_rank_0(t.device, Trackers, t, out_dir, at.step)
+            if self.trackers:  # ended with the right status however the run ends
+                self.push(lambda error, *_: self.trackers.end(error and 1 or self.code))
         if self.is_main and t.args.profile_steps:  # its trace is written as it stops
             steps = t.args.profile_steps
             schedule = torch.profiler.schedule(wait=1, warmup=1, active=steps, repeat=1)
@@ -119,7 +115,7 @@ class Reports(contextlib.ExitStack):
                     self.profiler.step()
 
     def row(self, at, metrics):
-        """An evaluation's row in metrics.csv (and TensorBoard), and its line: the
+        """An evaluation's row in metrics.csv (and the trackers), and its line: the
         training since the previous row (its steps; saves left out), then the
         validation metrics. Every rank calls it (the loss is summed over ranks)."""
         loss_sum, units = self.t.sums.totals(reset=True)
@@ -128,7 +124,7 @@ class Reports(contextlib.ExitStack):
         self.start_interval()
 
     def write(self, at, train_loss, metrics):
-        """Rank 0: the row into metrics.csv and TensorBoard, and as a line."""
+        """Rank 0: the row into metrics.csv and the trackers, and as a line."""
         if self.t.device.type == "cuda":
             torch.cuda.synchronize()  # the events above have all happened
         step_s = sum(seconds(a, b) for a, b in self.steps)
@@ -150,9 +146,8 @@ class Reports(contextlib.ExitStack):
         }
         path = self.out_dir / "metrics.csv"  # a column new in it joins the header
         write_metrics(path, [*read_metrics(path), row])
-        if self.writer:
-            for key, value in row.items():
-                self.writer.add_scalar(key, value, row["step"])
+        if self.trackers:
+            self.trackers.log(row)
         args, epoch, step = self.t.args, row.pop("epoch"), row.pop("step")
         head = f"epoch {epoch}/{args.epochs}  step {step}"
         if args.max_steps:  # the run's length in steps
@@ -221,7 +216,140 @@ def plot_losses(metrics_path, png_path):
     return True
 
 
-def report_outputs(out_dir, plotted, tensorboard):
+# The answers this file was generated with (a tracker run's configuration keeps them).
+TEMPLATE = (
+    "{{ cookiecutter.nodes }} node, {{ cookiecutter.launcher }}, {{ cookiecutter.parallelism }}, "
+    "BatchSampler {{ cookiecutter.use_batch_sampler }}, SyncBN {{ cookiecutter.sync_bn }}, "
+    "save {{ cookiecutter.save_strategy }}, scheduler {{ cookiecutter.scheduler }}"
+)
+
+
+class Trackers:
+    """Rank 0's experiment trackers (--tracker): one tracker run per output folder.
+    DIR/trackers.json keeps the runs' ids, so that a resume, a requeue, an elastic
+    round or the same command after a crash go on with the same runs (--resume
+    never: new ones). Each optimizer update is logged once, as step = updates done:
+    those a crash repeats, the runs have already."""
+
+    def __init__(self, t, out_dir, step):
+        args, self.path = t.args, out_dir / "trackers.json"
+        fresh = args.resume == "never" or not self.path.exists()
+        self.saved = {} if fresh else json.loads(self.path.read_text())
+        config = {key: plain(value) for key, value in vars(args).items()}
+        config |= {
+            "world_size": dist.get_world_size(),
+            "global_batch": dist.get_world_size() * args.batch_size * args.grad_accum,
+            "template": TEMPLATE,
+        }
+        old = self.saved.get("config", {})
+        changed = {  # a resume's new settings, beside those the run started with
+            f"{key} from step {step}": value
+            for key, value in config.items()
+            if old.get(key) != value
+        }
+        self.runs = {}
+        for name in args.tracker:
+            run_id = self.saved.get(name)
+            try:
+                run = self.runs[name] = TRACKERS[name](run_id, out_dir, args)
+                run.config(changed if run_id else config)
+            except Exception as err:  # noqa: BLE001 (a server, a login, a file)
+                reason = str(err).strip().splitlines()[0]
+                raise failure(f"error: --tracker {name} failed: {reason}") from None
+            self.saved[name] = run.id
+        self.saved["config"] = old | config
+        self.save()
+
+    def save(self):
+        with replacing(self.path, "w") as f:
+            json.dump(self.saved, f, indent=1)
+
+    def log(self, row):
+        """An evaluation's row, at its step; one a run has already is left out."""
+        step = row["step"]
+        if step <= self.saved.get("step", 0):
+            return
+        self.saved["step"] = step  # first: a crash can lose a row, never repeat it
+        self.save()
+        for run in self.runs.values():
+            run.log({key: value for key, value in row.items() if key != "step"}, step)
+
+    def end(self, code):
+        """Every run ends with the exit status: 0, 128 + a stop signal, or 1."""
+        for run in self.runs.values():
+            run.end(code)
+
+
+class TensorBoardRun:
+    def __init__(self, run_id, out_dir, args):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer, self.id = SummaryWriter(out_dir / "tensorboard"), "tensorboard"
+
+    def config(self, values):
+        self.writer.add_text("config", json.dumps(values, indent=1))
+
+    def log(self, row, step):
+        for key, value in row.items():
+            self.writer.add_scalar(key, value, step)
+
+    def end(self, code):
+        self.writer.close()
+
+
+class WandbRun:
+    def __init__(self, run_id, out_dir, args):
+        import wandb
+
+        settings = wandb.Settings(console="off", silent=True)  # the lines are ours
+        name, self.wandb = args.run_name or out_dir.name, wandb
+        self.run = wandb.init(
+            project=args.experiment,
+            name=name,
+            id=run_id,
+            resume="allow",
+            dir=out_dir,
+            settings=settings,
+        )
+        self.id, self.config, self.log = self.run.id, self.run.config.update, self.run.log
+
+    def end(self, code):
+        if code > 128:  # a stop signal: preempted, to be resumed
+            self.run.mark_preempting()
+        self.run.finish(exit_code=code)
+        self.wandb.teardown()  # its service process, before stop_children()
+
+
+class MLflowRun:
+    def __init__(self, run_id, out_dir, args):
+        import mlflow
+
+        for logger in ("mlflow", "alembic"):  # a new SQLite file's lines
+            logging.getLogger(logger).setLevel(logging.WARNING)
+        mlflow.set_tracking_uri(mlflow_uri(out_dir))
+        if run_id is None:
+            mlflow.set_experiment(args.experiment)
+            run = mlflow.start_run(run_name=args.run_name or out_dir.name)
+        else:
+            run = mlflow.start_run(run_id)
+        self.id, self.config, self.log = run.info.run_id, mlflow.log_params, mlflow.log_metrics
+        self.mlflow = mlflow
+
+    def end(self, code):
+        status = "FINISHED" if code == 0 else "KILLED" if code > 128 else "FAILED"
+        self.mlflow.end_run(status)
+
+
+TRACKERS = {"tensorboard": TensorBoardRun, "wandb": WandbRun, "mlflow": MLflowRun}
+
+
+def mlflow_uri(out_dir):
+    """MLflow's store: $MLFLOW_TRACKING_URI, else a SQLite file in the output folder."""
+    default = f"sqlite:///{(out_dir / 'mlflow.db').absolute()}"
+    return os.environ.get("MLFLOW_TRACKING_URI", default)
+
+
+def report_outputs(out_dir, plotted, trackers):
     """One line at the end: where the results are, and how to look at them."""
     parts = [f"weights {out_dir / 'model_final.pt'}"]
     parts.append(f"metrics {out_dir / 'metrics.csv'}")
@@ -229,8 +357,14 @@ def report_outputs(out_dir, plotted, tensorboard):
         parts.append(f"plot {out_dir / 'loss.png'}")
     else:
         parts[-1] += " (pip install matplotlib for a plot)"
-    if tensorboard:
-        parts.append(f"view: tensorboard --logdir {out_dir / 'tensorboard'}")
+    views = {
+        "tensorboard": f"tensorboard --logdir {out_dir / 'tensorboard'}",
+        "mlflow": f"mlflow ui --backend-store-uri {mlflow_uri(out_dir)}",
+        "wandb": f"wandb sync {out_dir / 'wandb'}/offline-run-*",
+    }
+    if os.environ.get("WANDB_MODE") not in ("offline", "dryrun"):
+        views["wandb"] = "the run's page in W&B"
+    parts += [f"view: {views[name]}" for name in trackers]
     print("done: " + ", ".join(parts), flush=True)
 
 
