@@ -216,11 +216,9 @@ def plot_losses(metrics_path, png_path):
     return True
 
 
-# The answers this file was generated with (a tracker run's configuration keeps them).
-TEMPLATE = (
-    "{{ cookiecutter.nodes }} node, {{ cookiecutter.launcher }}, {{ cookiecutter.parallelism }}, "
-    "BatchSampler {{ cookiecutter.use_batch_sampler }}, SyncBN {{ cookiecutter.sync_bn }}, "
-    "save {{ cookiecutter.save_strategy }}, scheduler {{ cookiecutter.scheduler }}"
+TEMPLATE = (  # the answers this file was generated with: tracker runs keep them
+    "{{ cookiecutter.nodes }} node, {{ cookiecutter.launcher }}, {{ cookiecutter.parallelism }}, BatchSampler {{ cookiecutter.use_batch_sampler }}, "
+    "SyncBN {{ cookiecutter.sync_bn }}, save {{ cookiecutter.save_strategy }}, scheduler {{ cookiecutter.scheduler }}"
 )
 
 
@@ -229,35 +227,34 @@ class Trackers:
     DIR/trackers.json keeps the runs' ids, so that a resume, a requeue, an elastic
     round or the same command after a crash go on with the same runs (--resume
     never: new ones). Each optimizer update is logged once, as step = updates done:
-    those a crash repeats, the runs have already."""
+    those a crash makes the next attempt repeat, the runs already have."""
 
     def __init__(self, t, out_dir, step):
         args, self.path = t.args, out_dir / "trackers.json"
         fresh = args.resume == "never" or not self.path.exists()
         self.saved = {} if fresh else json.loads(self.path.read_text())
         config = {key: plain(value) for key, value in vars(args).items()}
-        config |= {
-            "world_size": dist.get_world_size(),
-            "global_batch": dist.get_world_size() * args.batch_size * args.grad_accum,
-            "template": TEMPLATE,
-        }
-        old = self.saved.get("config", {})
-        changed = {  # a resume's new settings, beside those the run started with
-            f"{key} from step {step}": value
+        config["world_size"] = world_size = dist.get_world_size()
+        config["global_batch"] = world_size * args.batch_size * args.grad_accum
+        config["template"] = TEMPLATE
+        # A run gets the configuration once; an attempt that changes it, the change.
+        old, attempt = self.saved.get("config", {}), self.saved.get("attempts", 0) + 1
+        new = {
+            f"{key} from attempt {attempt} at step {step}": value
             for key, value in config.items()
             if old.get(key) != value
         }
         self.runs = {}
         for name in args.tracker:
             run_id = self.saved.get(name)
-            try:
+            try:  # a server, a login, a file: one line
                 run = self.runs[name] = TRACKERS[name](run_id, out_dir, args)
-                run.config(changed if run_id else config)
-            except Exception as err:  # noqa: BLE001 (a server, a login, a file)
+                run.config(config if run_id is None else new)
+            except Exception as err:  # noqa: BLE001
                 reason = str(err).strip().splitlines()[0]
                 raise failure(f"error: --tracker {name} failed: {reason}") from None
             self.saved[name] = run.id
-        self.saved["config"] = old | config
+        self.saved |= {"config": old | config, "attempts": attempt}
         self.save()
 
     def save(self):
@@ -265,7 +262,7 @@ class Trackers:
             json.dump(self.saved, f, indent=1)
 
     def log(self, row):
-        """An evaluation's row, at its step; one a run has already is left out."""
+        """An evaluation's row, at its step; one the runs already have is left out."""
         step = row["step"]
         if step <= self.saved.get("step", 0):
             return
@@ -302,7 +299,7 @@ class WandbRun:
         import wandb
 
         settings = wandb.Settings(console="off", silent=True)  # the lines are ours
-        name, self.wandb = args.run_name or out_dir.name, wandb
+        self.wandb, name = wandb, args.run_name or out_dir.name
         self.run = wandb.init(
             project=args.experiment,
             name=name,
@@ -311,10 +308,16 @@ class WandbRun:
             dir=out_dir,
             settings=settings,
         )
-        self.id, self.config, self.log = self.run.id, self.run.config.update, self.run.log
+        self.id = self.run.id
+
+    def config(self, values):
+        self.run.config.update(values)
+
+    def log(self, row, step):
+        self.run.log(row, step=step)
 
     def end(self, code):
-        if code > 128:  # a stop signal: preempted, to be resumed
+        if code > 128:  # stopped by a signal, after a save: preempted
             self.run.mark_preempting()
         self.run.finish(exit_code=code)
         self.wandb.teardown()  # its service process, before stop_children()
@@ -327,13 +330,16 @@ class MLflowRun:
         for logger in ("mlflow", "alembic"):  # a new SQLite file's lines
             logging.getLogger(logger).setLevel(logging.WARNING)
         mlflow.set_tracking_uri(mlflow_uri(out_dir))
-        if run_id is None:
+        if run_id is None:  # a new run (an old one knows its experiment)
             mlflow.set_experiment(args.experiment)
-            run = mlflow.start_run(run_name=args.run_name or out_dir.name)
-        else:
-            run = mlflow.start_run(run_id)
-        self.id, self.config, self.log = run.info.run_id, mlflow.log_params, mlflow.log_metrics
-        self.mlflow = mlflow
+        run = mlflow.start_run(run_id, run_name=args.run_name or out_dir.name)
+        self.mlflow, self.id = mlflow, run.info.run_id
+
+    def config(self, values):
+        self.mlflow.log_params(values)
+
+    def log(self, row, step):
+        self.mlflow.log_metrics(row, step=step)
 
     def end(self, code):
         status = "FINISHED" if code == 0 else "KILLED" if code > 128 else "FAILED"
