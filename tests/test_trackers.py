@@ -62,7 +62,7 @@ def straight(project, tmp_path_factory):
     assert run.info.status == "FINISHED"
     assert steps_of(history) == STEPS and steps_of(history, "val_loss") == STEPS
     assert params["lr"] == "0.1" and params["world_size"] == "2"
-    assert params["global_batch"] == "16" and "single node" in params["template"]
+    assert params["global_batch"] == "16" and "nodes=single" in params["template"]
     # metrics.csv and MLflow hold the same values.
     rows = {int(row["step"]): float(row["val_loss"]) for row in metrics(out_dir)}
     assert dict(history["val_loss"]) == pytest.approx(rows, rel=1e-6)

@@ -217,8 +217,9 @@ def plot_losses(metrics_path, png_path):
 
 
 TEMPLATE = (  # the answers this file was generated with: tracker runs keep them
-    "{{ cookiecutter.nodes }} node, {{ cookiecutter.launcher }}, {{ cookiecutter.parallelism }}, BatchSampler {{ cookiecutter.use_batch_sampler }}, "
-    "SyncBN {{ cookiecutter.sync_bn }}, save {{ cookiecutter.save_strategy }}, scheduler {{ cookiecutter.scheduler }}"
+    "nodes={{ cookiecutter.nodes }} launcher={{ cookiecutter.launcher }} parallelism={{ cookiecutter.parallelism }} "
+    "use_batch_sampler={{ cookiecutter.use_batch_sampler }} sync_bn={{ cookiecutter.sync_bn }} "
+    "save_strategy={{ cookiecutter.save_strategy }} scheduler={{ cookiecutter.scheduler }}"
 )
 
 
