@@ -11,8 +11,8 @@ def parse_args(argv=None):
     add_speed_arguments(parser.add_argument_group("speed and insight"))
     add_running_arguments(parser.add_argument_group("processes and machines"))
     args = parser.parse_args(argv)
-    args.tracker = list(dict.fromkeys(args.tracker))  # each once
-    check_trackers(args.tracker)
+    if args.tensorboard and "tensorboard" not in args.tracker:  # the older flag
+        args.tracker += tracker_names("tensorboard")
     if not (args.evaluate or args.preflight):  # the modes that write nothing
         check_output_dir(args.output_dir)
 {% if spawn and multi %}
@@ -194,7 +194,6 @@ def add_speed_arguments(parser):
     )
     parser.add_argument(
         "--tracker",
-        action="extend",
         type=tracker_names,
         default=[],
         metavar="NAMES",
@@ -203,39 +202,32 @@ def add_speed_arguments(parser):
         "by every resume)",
     )
     parser.add_argument(
-        "--tensorboard",
-        action="append_const",
-        dest="tracker",
-        const="tensorboard",
-        help="the same as --tracker tensorboard",
+        "--tensorboard", action="store_true", help="the same as --tracker tensorboard"
     )
     parser.add_argument(
         "--experiment",
         default="{{ cookiecutter.project_slug }}",
-        help="the trackers' project (W&B) or experiment (MLflow)",
+        help="the W&B project, the MLflow experiment",
     )
     parser.add_argument(
-        "--run-name",
-        help="the tracker run's name (default: the output folder's name)",
+        "--run-name", help="the tracker runs' name (default: the output folder's)"
     )
 
 
 def tracker_names(text):
-    names = [name for name in text.split(",") if name]
-    if unknown := set(names) - set(TRACKERS):
-        choices = ", ".join(TRACKERS)
-        raise argparse.ArgumentTypeError(f"{unknown.pop()!r} is not one of {choices}")
-    return names
-
-
-def check_trackers(names):
-    """Each tracker named is installed: else one line, before any process starts."""
+    """--tracker's type: each name once, known and installed (else one line, before
+    any process starts)."""
+    names = list(dict.fromkeys(name for name in text.split(",") if name))
     for name in names:
+        if name not in TRACKERS:
+            choices = ", ".join(TRACKERS)
+            raise argparse.ArgumentTypeError(f"{name!r} is not one of {choices}")
         try:
             importlib.import_module(name)
         except ImportError:
             line = f"error: --tracker {name} needs {name}: pip install {name}"
             raise failure(line, status=2) from None
+    return names
 
 
 def add_running_arguments(parser):

@@ -248,9 +248,9 @@ class Trackers:
         self.runs = {}
         for name in args.tracker:
             run_id = self.saved.get(name)
+            values = config if run_id is None else new
             try:  # a server, a login, a file: one line
-                run = self.runs[name] = TRACKERS[name](run_id, out_dir, args)
-                run.config(config if run_id is None else new)
+                run = self.runs[name] = TRACKERS[name](run_id, values, out_dir, args)
             except Exception as err:  # noqa: BLE001
                 reason = str(err).strip().splitlines()[0]
                 raise failure(f"error: --tracker {name} failed: {reason}") from None
@@ -279,13 +279,11 @@ class Trackers:
 
 
 class TensorBoardRun:
-    def __init__(self, run_id, out_dir, args):
+    def __init__(self, run_id, config, out_dir, args):
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer, self.id = SummaryWriter(out_dir / "tensorboard"), "tensorboard"
-
-    def config(self, values):
-        self.writer.add_text("config", json.dumps(values, indent=1))
+        self.writer.add_text("config", json.dumps(config, indent=1))
 
     def log(self, row, step):
         for key, value in row.items():
@@ -296,7 +294,7 @@ class TensorBoardRun:
 
 
 class WandbRun:
-    def __init__(self, run_id, out_dir, args):
+    def __init__(self, run_id, config, out_dir, args):
         import wandb
 
         settings = wandb.Settings(console="off", silent=True)  # the lines are ours
@@ -307,15 +305,10 @@ class WandbRun:
             id=run_id,
             resume="allow",
             dir=out_dir,
+            config=config,
             settings=settings,
         )
-        self.id = self.run.id
-
-    def config(self, values):
-        self.run.config.update(values)
-
-    def log(self, row, step):
-        self.run.log(row, step=step)
+        self.id, self.log = self.run.id, self.run.log  # log(row, step)
 
     def end(self, code):
         if code > 128:  # stopped by a signal, after a save: preempted
@@ -325,7 +318,7 @@ class WandbRun:
 
 
 class MLflowRun:
-    def __init__(self, run_id, out_dir, args):
+    def __init__(self, run_id, config, out_dir, args):
         import mlflow
 
         for logger in ("mlflow", "alembic"):  # a new SQLite file's lines
@@ -334,13 +327,8 @@ class MLflowRun:
         if run_id is None:  # a new run (an old one knows its experiment)
             mlflow.set_experiment(args.experiment)
         run = mlflow.start_run(run_id, run_name=args.run_name or out_dir.name)
-        self.mlflow, self.id = mlflow, run.info.run_id
-
-    def config(self, values):
-        self.mlflow.log_params(values)
-
-    def log(self, row, step):
-        self.mlflow.log_metrics(row, step=step)
+        mlflow.log_params(config)
+        self.mlflow, self.id, self.log = mlflow, run.info.run_id, mlflow.log_metrics
 
     def end(self, code):
         status = "FINISHED" if code == 0 else "KILLED" if code > 128 else "FAILED"
