@@ -29,8 +29,7 @@ class ShowDefaults(argparse.HelpFormatter):
         if "default" in meaning or action.default == argparse.SUPPRESS:
             return meaning  # it says its default in its own words
         unset = action.default is None or action.default is False
-        default = "off" if unset else "%(default)s"
-        return f"{meaning} (default: {default})"
+        return f"{meaning} (default: {'off' if unset else '%(default)s'})"
 
 
 def check_output_dir(folder):
