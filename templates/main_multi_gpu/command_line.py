@@ -12,7 +12,14 @@ def parse_args(argv=None):
     add_running_arguments(parser.add_argument_group("processes and machines"))
     args = parser.parse_args(argv)
     if not (args.evaluate or args.preflight):  # the modes that write nothing
-        check_output_dir(args.output_dir)
+        # Refuse a --output-dir that rank 0 could not make or write in (this only
+        # looks: the folder is made when training starts).
+        path = Path(args.output_dir).absolute()
+        existing = next(p for p in (path, *path.parents) if p.exists())
+        if not existing.is_dir():
+            usage_error(f"argument --output-dir: {existing} is a file, not a folder")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            usage_error(f"argument --output-dir: no permission to write in {existing}")
 {% if spawn and multi %}
     if args.node_rank >= args.nnodes:
         usage_error(f"argument --node-rank: must be below --nnodes {args.nnodes}")
@@ -30,17 +37,6 @@ class ShowDefaults(argparse.HelpFormatter):
             return meaning  # it says its default in its own words
         unset = action.default is None or action.default is False
         return f"{meaning} (default: {'off' if unset else '%(default)s'})"
-
-
-def check_output_dir(folder):
-    """Refuse a --output-dir that rank 0 could not make or write in, before anything
-    starts (this only looks: the folder is made when training starts)."""
-    path = Path(folder).absolute()
-    existing = next(p for p in (path, *path.parents) if p.exists())
-    if not existing.is_dir():
-        usage_error(f"argument --output-dir: {existing} is a file, not a folder")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        usage_error(f"argument --output-dir: no permission to write in {existing}")
 
 
 def usage_error(message):
