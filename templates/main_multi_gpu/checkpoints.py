@@ -244,7 +244,7 @@ def resume(t, checkpoint, out_dir):
         resume_position(t, at, math.prod(checkpoint["global_batch"]))
         restore_schedule(t, checkpoint, at.step, fresh)
         print0(f"resumed from {checkpoint['path']} {where(at, t.args.batch_size)}")
-        if finished(t, at):
+        if finished(t.args, at):
             length = "--max-steps" if t.args.max_steps else "--epochs"
             print0(
                 f"resume: the run is done ({at.step} updates, {at.epoch} passes), "

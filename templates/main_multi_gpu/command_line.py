@@ -14,7 +14,14 @@ def parse_args(argv=None):
     if args.tensorboard and "tensorboard" not in args.tracker:  # the older flag
         args.tracker += tracker_names("tensorboard")
     if not (args.evaluate or args.preflight):  # the modes that write nothing
-        check_output_dir(args.output_dir)
+        # Refuse a --output-dir that rank 0 could not make or write in (this only
+        # looks: the folder is made when training starts).
+        path = Path(args.output_dir).absolute()
+        existing = next(p for p in (path, *path.parents) if p.exists())
+        if not existing.is_dir():
+            usage_error(f"argument --output-dir: {existing} is a file, not a folder")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            usage_error(f"argument --output-dir: no permission to write in {existing}")
 {% if spawn and multi %}
     if args.node_rank >= args.nnodes:
         usage_error(f"argument --node-rank: must be below --nnodes {args.nnodes}")
@@ -31,19 +38,7 @@ class ShowDefaults(argparse.HelpFormatter):
         if "default" in meaning or action.default == argparse.SUPPRESS:
             return meaning  # it says its default in its own words
         unset = action.default is None or action.default is False
-        default = "off" if unset else "%(default)s"
-        return f"{meaning} (default: {default})"
-
-
-def check_output_dir(folder):
-    """Refuse a --output-dir that rank 0 could not make or write in, before anything
-    starts (this only looks: the folder is made when training starts)."""
-    path = Path(folder).absolute()
-    existing = next(p for p in (path, *path.parents) if p.exists())
-    if not existing.is_dir():
-        usage_error(f"argument --output-dir: {existing} is a file, not a folder")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        usage_error(f"argument --output-dir: no permission to write in {existing}")
+        return f"{meaning} (default: {'off' if unset else '%(default)s'})"
 
 
 def usage_error(message):

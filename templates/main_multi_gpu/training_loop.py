@@ -230,7 +230,7 @@ def train(args, device):
     t = build_training(args, device, checkpoint)
     at = resume(t, checkpoint, out_dir)
     with Reports(t, at, out_dir) as reports:
-        while not finished(t, at):
+        while not finished(args, at):
             if train_pass(t, at, reports):  # a stop signal: saved, so stop
                 reports.code = stopped(last_path, at, args.batch_size)
                 return reports.code
@@ -254,8 +254,7 @@ def save_final(weights, evaluated, out_dir, trackers):
     report_outputs(out_dir, plotted, trackers)
 
 
-def finished(t, at):
-    args = t.args
+def finished(args, at):
     return at.step >= args.max_steps if args.max_steps else at.epoch >= args.epochs
 
 
@@ -366,7 +365,7 @@ def after_update(t, at, reports, last):
     saving = args.save_every and at.step % args.save_every == 0
     if not (evaluating or saving or at.step % LOG_EVERY == 0):
         return False
-    stop = check(t, reports) and not finished(t, at)
+    stop = check(t, reports) and not finished(args, at)
     reports.step_done()  # the step ends here: evaluations and saves are not training
 {% if strategy == "best" %}
     names = []  # the checkpoints to write
