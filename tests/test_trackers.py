@@ -167,3 +167,16 @@ def test_a_tracker_not_installed_or_not_known(project, tmp_path, value, line):
     )
     assert error_lines(output) == [line], output
     assert not (tmp_path / "out").exists()  # refused before anything started
+
+
+def test_a_tracker_that_cannot_start_is_one_line(project, tmp_path):
+    """MLflow's store asked for under a file: rank 0 says so in one line, and every
+    rank ends, before training."""
+    blocked = tmp_path / "a_file"
+    blocked.write_text("")
+    env = {"MLFLOW_TRACKING_URI": f"sqlite:///{blocked}/mlflow.db"}
+    args = [*ARGS, "--tracker", "mlflow", "--num-workers", "0"]
+    output = run_single(project, tmp_path / "out", 2, *args, env=env, expect=1)
+    [line] = error_lines(output)
+    assert line.startswith("error: --tracker mlflow failed: ") and str(blocked) in line
+    assert "Traceback" not in output and "step 1" not in output
