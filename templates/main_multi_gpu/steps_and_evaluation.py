@@ -48,7 +48,8 @@ class Step(nn.Module):
             expected = "(loss, n): the mean loss over n units, a tensor of shape ()"
             raise returned("compute_loss", out, expected)
         n = n if real else 0  # a stand-in batch at a stream's end weighs nothing
-        return loss, n, self.units[:, 0].sum() * n + self.units[:, 1].sum() * bool(more)
+        counted = self.units[:, 0].sum() * n  # column 1's: only where `more` (rare)
+        return loss, n, counted + self.units[:, 1].sum() if more else counted
 {% if fsdp %}
 
     def metrics(self, batch):
@@ -65,12 +66,13 @@ def update(t, turn):
     # The gradients are of loss sums, averaged over ranks: divide them by the mean
     # units per rank (over all ranks), so that every update follows the mean loss
     # over all units of the global batch, for any processes and --grad-accum.
+    # Row 0: the mean units, and at [0, 1] a value > 0 where some rank has stream
+    # items after this update (t.units: train_pass() reads it at a pass's end).
 {% if fsdp %}
-    units = t.sharded.units.grad.to_local()  # reduce-scattered: this rank's row
+    t.units = units = t.sharded.units.grad.to_local()  # reduce-scattered: its row
 {% else %}
-    units = t.ddp_model.module.units.grad  # every row: the mean units, and `more`
+    t.units = units = t.ddp_model.module.units.grad  # every row alike
 {% endif %}
-    t.more = units[0, 1]  # > 0: some rank has stream items after this update
     units = units[0, 0].double().clamp(min=1 / dist.get_world_size())  # 0 / 0: 0
     for optimizer in optimizers:  # --amp fp16: the true gradients, for clipping
         t.scaler.unscale_(optimizer)
