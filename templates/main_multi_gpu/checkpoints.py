@@ -251,7 +251,7 @@ def resume(t, checkpoint, out_dir):
                 f"nothing to train; a larger {length} goes on, --resume never starts "
                 "afresh"
             )
-    t.sums = LossSums(t.device, t.args, carried if dist.get_rank() == 0 else (0, 0))
+    t.sums = LossSums(t.device, carried if dist.get_rank() == 0 else (0, 0))
     # metrics.csv's rows count updates as the checkpoint did
     by_rank_0(t.device, start_metrics, out_dir, checkpoint["step"] if checkpoint else 0)
     return at

@@ -3,18 +3,17 @@ class LossSums:
     the units, on the device (no sync per step); and the losses since the last
     check(), to name the step where one stopped being finite."""
 
-    def __init__(self, device, args, carried=(0.0, 0.0)):
+    def __init__(self, device, carried=(0.0, 0.0)):
         # Two views of one tensor: the loss sum and the units.
         self.loss, self.units = torch.tensor(carried, dtype=torch.float64).to(device)
-        self.recent = torch.zeros(LOG_EVERY * args.grad_accum, device=device)
-        # The losses in recent; the pass and the micro-batch of recent[0].
-        self.count = self.epoch = self.next_step = 0
+        self.recent = []  # the losses since the last check(), detached
+        # The pass and the micro-batch of recent[0].
+        self.epoch = self.next_step = 0
 
     def add(self, loss, n):
-        self.recent[self.count] = loss = loss.detach()
-        self.loss += loss.double() * n
+        self.recent.append(loss.detach())
+        self.loss += self.recent[-1].double() * n
         self.units += n
-        self.count += 1
 
     def totals(self, reset=False):
         """(loss sum, units) over all ranks; reset: start counting afresh."""
@@ -48,7 +47,8 @@ class Step(nn.Module):
             expected = "(loss, n): the mean loss over n units, a tensor of shape ()"
             raise returned("compute_loss", out, expected)
         n = n if real else 0  # a stand-in batch at a stream's end weighs nothing
-        return loss, n, self.units[:, 0].sum() * n + self.units[:, 1].sum() * bool(more)
+        counted = self.units[:, 0].sum() * n  # column 1's: only where `more` (rare)
+        return loss, n, counted + self.units[:, 1].sum() if more else counted
 {% if fsdp %}
 
     def metrics(self, batch):
@@ -65,12 +65,12 @@ def update(t, turn):
     # The gradients are of loss sums, averaged over ranks: divide them by the mean
     # units per rank (over all ranks), so that every update follows the mean loss
     # over all units of the global batch, for any processes and --grad-accum.
+    # Row 0: the mean units, and > 0 where some rank has stream items after this update
 {% if fsdp %}
-    units = t.sharded.units.grad.to_local()  # reduce-scattered: this rank's row
+    t.units = units = t.sharded.units.grad.to_local()  # reduce-scattered: its row
 {% else %}
-    units = t.ddp_model.module.units.grad  # every row: the mean units, and `more`
+    t.units = units = t.ddp_model.module.units.grad  # every row alike (train_pass)
 {% endif %}
-    t.more = units[0, 1]  # > 0: some rank has stream items after this update
     units = units[0, 0].double().clamp(min=1 / dist.get_world_size())  # 0 / 0: 0
     for optimizer in optimizers:  # --amp fp16: the true gradients, for clipping
         t.scaler.unscale_(optimizer)
@@ -92,7 +92,7 @@ def check(t, reports):
     True), or saw a loss or weights that are not finite (then the run stops, saving
     nothing)."""
     sums = t.sums
-    recent = sums.recent[: sums.count]
+    recent = torch.stack(sums.recent).float() if sums.recent else sums.loss.new_zeros(0)
 {{ par.local_finite() }}
     flags = torch.stack([finite.new_tensor(STOP_SIGNAL is not None), ~finite]).double()
     dist.all_reduce(flags)
@@ -101,8 +101,8 @@ def check(t, reports):
         raise diverged_failure(recent, sums.next_step, sums.epoch, t.device)
     if len(recent) and not reports.progress.disable:  # the bar shows the loss
         reports.progress.set_postfix(loss=f"{recent.mean().item():.4f}")
-    sums.next_step += sums.count
-    sums.count = 0
+    sums.next_step += len(recent)
+    sums.recent = []
     return stop > 0
 
 

@@ -296,7 +296,7 @@ def train_pass(t, at, reports):
         if sync:
             # Where this rank's stream shards ran out: has any rank's not? The news
             # came with the gradients (see Step): a wait here, at a pass's end only.
-            last = not (more or apart and t.more.item())
+            last = not (more or apart and t.units[0, 1].item())
             at.step, at.epoch_samples, at.stream = at.step + 1, position, state
             if last:  # the pass is done
                 at.epoch, at.epoch_samples, at.stream = at.epoch + 1, 0, None
