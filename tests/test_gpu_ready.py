@@ -117,6 +117,26 @@ def test_an_update_calls_no_collective_of_its_own(tmp_path, parallelism):
         assert len(calls) <= 40, calls
 
 
+def test_the_wrapped_step_is_wholly_on_the_training_device(tmp_path, monkeypatch):
+    """DDP refuses a module with parameters on two kinds of device: the Step it wraps
+    (the model and the units) goes to the training device whole. The meta device
+    stands for a GPU here; DDP itself is replaced by a recorder."""
+    module = load_module(bake(tmp_path))
+    wrapped = []
+    monkeypatch.setattr(module, "DDP", lambda step, **_: wrapped.append(step) or step)
+    store = torch.distributed.HashStore()
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        args = module.parse_args(["--num-workers", "0", "--output-dir", str(tmp_path)])
+        module.build_training(args, torch.device("meta"), None)
+    finally:
+        torch.distributed.destroy_process_group()
+    [step] = wrapped
+    devices = {name: p.device.type for name, p in step.named_parameters()}
+    assert set(devices.values()) == {"meta"}, devices
+    assert "units" in devices
+
+
 DETERMINISM = """
 def compute_loss(model, batch):
     wanted = os.environ.get("WANT_DETERMINISTIC") == "1"

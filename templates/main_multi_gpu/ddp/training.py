@@ -97,7 +97,7 @@ CHANNELS_LAST = True  # on GPUs, 2-D convolutions in NHWC: faster
     # torch.compile inside DDP: the compiled graph is split at DDP's gradient buckets,
     # so the all-reduce still overlaps with the backward pass.
     t.ddp_model = DDP(
-        Step(torch.compile(model) if args.compile else model),
+        Step(torch.compile(model) if args.compile else model).to(device),
         device_ids=[device.index] if device.type == "cuda" else None,
         gradient_as_bucket_view=True,
         find_unused_parameters=FIND_UNUSED_PARAMETERS,
