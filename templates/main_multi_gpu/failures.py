@@ -180,7 +180,7 @@ class HangWatch:
 
     def report(self):
         """Print this rank's stack, say where it stands, and end the job. Rank 0
-        summarizes; the others wait for its summary before they end."""
+        summarizes, and leaves last: it may hold the store the others use."""
         self.reporting = True
         where, kind = locate(main_frame())
         print_stacks(self.rank, loader_workers=kind == LOADER)
@@ -191,8 +191,10 @@ class HangWatch:
                 self.wait_for(lambda: self.count("reported") == self.world_size)
                 self.summarize()
                 self.store.set("summarized", "1")
-            else:  # (where rank 0 held the store, it fails once rank 0 ends: done too)
+                self.wait_for(lambda: self.count("left") == self.world_size - 1, 5)
+            else:
                 self.wait_for(lambda: self.store.check(["summarized"]), 15)
+                self.count("left", 1)
         finally:
             stop_now(1)
 
@@ -354,8 +356,12 @@ def report_error(err):
     text += f"[rank {rank}] error: {type(err).__name__} in {name}, line {line}: "
     if first:
         print(f"{text}{why} (the traceback above{also})", file=sys.stderr)
-    with contextlib.suppress(dist.DistError):  # the others wait for it (above)
-        WATCH.store.set("reported", "1")
+    with contextlib.suppress(dist.DistError):  # rank 0 leaves last: it may hold the
+        WATCH.store.set("reported", "1")  # store the others ask
+        if rank:
+            WATCH.count("left", 1)
+        else:
+            WATCH.wait_for(lambda: WATCH.count("left") >= WATCH.count("raised") - 1, 5)
 
 
 def returned(function, value, expected):
