@@ -274,12 +274,11 @@ def resume_position(t, at, saved_batch):
     elif again := at.epoch_samples % (args.batch_size * world_size):
         print0(f"resume: {again} samples of this pass are trained again")
         at.epoch_samples -= again
-    global_batch = world_size * args.batch_size * args.grad_accum
-    if global_batch != saved_batch and t.steps_per_pass:
+    if t.global_batch != saved_batch and t.steps_per_pass:
         per_pass = math.ceil(t.steps_per_pass / args.grad_accum)
-        at.step = at.epoch * per_pass + at.epoch_samples // global_batch
-    elif global_batch != saved_batch:  # a stream of unknown length: by samples
-        at.step = at.step * saved_batch // global_batch
+        at.step = at.epoch * per_pass + at.epoch_samples // t.global_batch
+    elif t.global_batch != saved_batch:  # a stream of unknown length: by samples
+        at.step = at.step * saved_batch // t.global_batch
 
 
 def restore_schedule(t, checkpoint, done, fresh):
@@ -291,9 +290,8 @@ def restore_schedule(t, checkpoint, done, fresh):
     args, saved = t.args, checkpoint["args"]
     # A schedule counts updates: its length and the samples per update (the global
     # batch) place a run on it. Without a scheduler, only the LR matters.
-    global_batch = dist.get_world_size() * args.batch_size * args.grad_accum
     was = checkpoint["total_updates"], math.prod(checkpoint["global_batch"])
-    same_length = was == (t.total_updates, global_batch)
+    same_length = was == (t.total_updates, t.global_batch)
     schedulers = {name: s for name, s in t.schedulers.items() if s}
     if saved["lr"] == args.lr and (same_length or not schedulers):
         for name, scheduler in schedulers.items():
@@ -311,7 +309,7 @@ def restore_schedule(t, checkpoint, done, fresh):
     lr = next(iter(t.optimizers.values())).param_groups[0]["lr"]
     print0(
         f"resume: the LR schedule is rebuilt for --lr {args.lr}, {t.total_updates} "
-        f"updates of {global_batch} samples (the checkpoint's: --lr {saved['lr']}, "
+        f"updates of {t.global_batch} samples (the checkpoint's: --lr {saved['lr']}, "
         f"{was[0]} updates of {was[1]}); continuing at update {done}, LR {lr:.6g}"
     )
 

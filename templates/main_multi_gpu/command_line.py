@@ -69,6 +69,13 @@ def count(default=None, least=1):
     return {"type": at_least(least), "metavar": "N", "default": default}
 
 
+def real(default=None, above=False, metavar="F"):
+    """A real flag's type, metavar and default: a finite number from 0 (above=True:
+    above 0)."""
+    number = at_least(0, kind=float, above=above)
+    return {"type": number, "metavar": metavar, "default": default}
+
+
 def add_training_arguments(parser):
     parser.add_argument("--epochs", **count(10), help="passes over the training set")
     parser.add_argument(
@@ -79,9 +86,7 @@ def add_training_arguments(parser):
     )
     parser.add_argument(
         "--lr",
-        type=at_least(0, kind=float),
-        default=0.1,
-        metavar="F",
+        **real(0.1),
         help="learning rate (0 trains nothing: a probe of data, evaluation, speed)",
     )
     parser.add_argument(
@@ -134,8 +139,7 @@ def add_training_arguments(parser):
     )
     parser.add_argument(
         "--clip-grad-norm",
-        type=at_least(0, kind=float, above=True),
-        metavar="F",
+        **real(above=True),
         help="clip the gradients' norm to F before each update",
     )
 
@@ -234,9 +238,7 @@ def add_running_arguments(parser):
     )
     parser.add_argument(
         "--dist-timeout",
-        type=at_least(0, kind=float, above=True),
-        metavar="S",
-        default=os.environ.get("DIST_TIMEOUT", "600"),
+        **real(os.environ.get("DIST_TIMEOUT", "600"), above=True, metavar="S"),
         help="seconds to wait for the other processes at start-up, and that a process "
         "may go without progress before the job ends with a report of where each "
         "one was (default: $DIST_TIMEOUT, else 600)",

@@ -30,7 +30,8 @@ def build_training(args, device, checkpoint):
     t.val_loader = build_val_loader(val_set, args, device)
     t.steps_per_pass = pass_steps(train_set, t.train_loader, args)
     size = len(train_set) if isinstance(train_set, Sized) else math.inf
-    if (batch := dist.get_world_size() * args.batch_size * args.grad_accum) > size:
+    t.global_batch = batch = dist.get_world_size() * args.batch_size * args.grad_accum
+    if batch > size:
         line = f"warning: the global batch ({batch}) is larger than the training set"
         print0(f"{line} ({size} samples): one update a pass", file=sys.stderr)
     if not (args.max_steps or t.steps_per_pass):

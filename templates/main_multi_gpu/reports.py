@@ -26,8 +26,7 @@ class Reports(contextlib.ExitStack):
             self.trackers = by_rank_0(t.device, Trackers, t, out_dir, at.step)
             if self.trackers:  # ended with the right status however the run ends
                 self.push(lambda error, *_: self.trackers.end(error and 1 or self.code))
-        if self.is_main and t.args.profile_steps:  # its trace is written as it stops
-            steps = t.args.profile_steps
+        if self.is_main and (steps := t.args.profile_steps):  # its trace: as it stops
             schedule = torch.profiler.schedule(wait=1, warmup=1, active=steps, repeat=1)
             trace = torch.profiler.tensorboard_trace_handler(str(out_dir / "profile"))
             profiler = torch.profiler.profile(schedule=schedule, on_trace_ready=trace)
