@@ -230,18 +230,17 @@ def train(args, device):
     checkpoint = load_checkpoint(args.resume, last_path, device)
     t = build_training(args, device, checkpoint)
     at = resume(t, checkpoint, out_dir)
-    with Reports(t, at, out_dir) as reports:
+    with Reports(t, out_dir) as reports:
         while not finished(args, at):
             if train_pass(t, at, reports):  # a stop signal: saved, so stop
-                reports.code = stopped(last_path, at, args.batch_size)
-                return reports.code
+                return stopped(last_path, at, args.batch_size)
 {{ saving.final_weights() }}
     evaluated = {k: e.state_dict() for k, (_, e) in KEPT.items() if e is t.evaluated}
-    by_rank_0(device, save_final, weights, evaluated, out_dir, args.tracker)
+    by_rank_0(device, save_final, weights, evaluated, out_dir, args.tensorboard)
     return 0
 
 
-def save_final(weights, evaluated, out_dir, trackers):
+def save_final(weights, evaluated, out_dir, tensorboard):
     """Rank 0, at the run's end: model_final.pt (and the evaluated weights, when
     keep() named others), the plot, and where they are."""
     save_atomic(weights, out_dir / "model_final.pt")
@@ -252,7 +251,7 @@ def save_final(weights, evaluated, out_dir, trackers):
 {{ saving.remove_last_checkpoint() }}
 {% endif %}
     plotted = plot_losses(out_dir / "metrics.csv", out_dir / "loss.png")
-    report_outputs(out_dir, plotted, trackers)
+    report_outputs(out_dir, plotted, tensorboard)
 
 
 def finished(args, at):
