@@ -100,12 +100,8 @@ def add_training_arguments(parser):
         help="DataLoader worker processes per training process",
     )
     # The built-in data's sizes: once build_datasets is yours, delete them.
-    parser.add_argument(
-        "--train-size", **count(2048), help="samples of the built-in data"
-    )
-    parser.add_argument(
-        "--val-size", **count(512), help="validation samples of the same"
-    )
+    parser.add_argument("--train-size", **count(2048), help="built-in training samples")
+    parser.add_argument("--val-size", **count(512), help="built-in validation samples")
     parser.add_argument(
         "--output-dir",
         default="outputs",

@@ -174,6 +174,9 @@ class StreamShard(IterableDataset):
         self.width = self.world_size * args.batch_size  # places in a block
         self.workers = max(args.num_workers, 1)
         self.epoch, self.start, self.states = 0, 0, {}
+        # A part crosses to the training process collated (default_collate: a few
+        # tensors, not one per item), unless the stream collates its own way.
+        self.pack = list if getattr(stream, "collate_fn", None) else default_collate
 
     def set_epoch(self, epoch, samples=0, state=None):
         """Pass `epoch`, from place `samples` on, where the sub-streams' states were
@@ -200,7 +203,8 @@ class StreamShard(IterableDataset):
                         part.append(heads[i][1])
                     heads[i] = next(sub)
             done = all(place == math.inf for place, _, _ in heads)
-            yield part, done, {c: state for c, (*_, state) in zip(owned, heads)}
+            states = {c: state for c, (*_, state) in zip(owned, heads)}
+            yield self.pack(part) if part else None, done, states
 
     def read(self, c):
         """Sub-stream c from the pass's start on, as (place, item, state), and at its
@@ -242,10 +246,10 @@ class StreamLoader(DataLoader):
 
     def __init__(self, shard, args, device, lockstep):
         options = loader_options(shard.stream, args, device)
-        collate = options["collate_fn"] or default_collate
-        # Pinned (on GPUs) here, once collated.
-        pin = pin_memory if options["pin_memory"] else lambda batch: batch
-        self.collate, self.lockstep = lambda items: pin(collate(items)), lockstep
+        whole = options["collate_fn"]  # the stream's own, on the whole micro-batch
+        join = (lambda parts: whole([*itertools.chain(*parts)])) if whole else joined
+        pin = pin_memory if options["pin_memory"] else lambda batch: batch  # here
+        self.collate, self.lockstep = lambda parts: pin(join(parts)), lockstep
         options.update(collate_fn=tuple, pin_memory=False)  # parts pass as they are
         super().__init__(shard, batch_size=None, **options)
 
@@ -254,22 +258,35 @@ class StreamLoader(DataLoader):
         place, batch = shard.start, None
         while True:
             got = [next(parts) for _ in range(shard.workers)]
-            items = [item for part, _, _ in got for item in part]
+            filled = [part for part, _, _ in got if part is not None]
             more = not all(done for _, done, _ in got)
             states = {c: state for *_, kept in got for c, state in kept.items()}
             place += shard.width
-            if items:  # (the latest batch stands in where this rank has none)
-                batch = self.collate(items)
+            if filled:  # (the latest batch stands in where this rank has none)
+                batch = self.collate(filled)
             elif self.lockstep and batch is None:  # none yet: one item to stand in
                 if not (first := list(itertools.islice(shard.stream, 1))):
                     return  # an empty stream
-                batch = self.collate(first)
+                batch = self.collate([shard.pack(first)])
             if self.lockstep:
-                yield batch, bool(items), place, more, states
-            elif items:
+                yield batch, bool(filled), place, more, states
+            elif filled:
                 yield batch
             if not (more or self.lockstep and shard.shards):  # read whole: all end
                 return
+
+
+def joined(batches):
+    """default_collate's batches of consecutive items (the parts of a micro-batch), as
+    the batch of them all: their tensors concatenated, their lists of strings joined."""
+
+    def join(*xs):  # the same field of each batch: tensors, or lists of strings
+        return torch.cat(xs) if torch.is_tensor(xs[0]) else [*itertools.chain(*xs)]
+
+    def strings(value):
+        return isinstance(value, list) and all(isinstance(s, str) for s in value)
+
+    return tree_map(join, *batches, is_leaf=strings)
 
 
 def loader_worker_init(trainer, held, worker_id):

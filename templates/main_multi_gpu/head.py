@@ -88,6 +88,7 @@ from torch.distributed.run import main as torchrun
 {% if not fsdp %}
 from torch.nn.parallel import DistributedDataParallel as DDP
 {% endif %}
+from torch.utils._pytree import tree_map
 {% if cookiecutter.use_batch_sampler %}
 from torch.utils.data import (
     BatchSampler,
