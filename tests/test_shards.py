@@ -12,7 +12,9 @@ for any number of processes and workers (guarantee 8):
 - a process killed without a signal after a periodic save, then the same command
   again, ends as a run never killed;
 - a Hugging Face `IterableDataset` streamed from local JSON files, with a .map()
-  that counts its calls: each row mapped once a pass, and 2 x 8 equals 1 x 16.
+  that counts its calls: each row mapped once a pass, and 2 x 8 equals 1 x 16;
+- dict rows with a string: each worker's part crosses collated, the training process
+  joins the parts, and 2 processes x 2 workers equal 1 without workers.
 
 A lost host on an elastic job that trains on this stream: test_elastic_hosts.py."""
 
@@ -352,3 +354,44 @@ def test_a_hugging_face_stream_is_mapped_once_a_pass_and_exact(tmp_path):
     for key in ("train_loss", "val_loss"):
         values = [[float(row[key]) for row in rows[name]] for name in runs]
         assert values[1] == pytest.approx(values[0], abs=1e-5), key
+
+
+# The same rows as dicts with a string beside the tensors: each DataLoader worker
+# collates its part (the strings become a list), the training process joins the
+# parts. compute_loss checks that every string still sits beside its own row.
+NAMED = (
+    SHARDS.replace(
+        """            self.note(f, i)
+            yield x, y
+""",
+        """            self.note(f, i)
+            yield {"x": x, "y": y, "name": f"{y.item():.6f}"}
+""",
+    )
+    + """
+
+def compute_loss(model, batch):
+    named = torch.tensor([float(name) for name in batch["name"]])
+    if not torch.allclose(named, batch["y"].flatten(), atol=1e-5):
+        raise ValueError("a row's name is not beside its row")
+    return F.mse_loss(model(batch["x"]), batch["y"]), len(batch["y"])
+
+
+def compute_metrics(model, batch):
+    error = model(batch["x"]) - batch["y"]
+    return {"loss": (error.pow(2).sum(), len(batch["y"]))}
+"""
+)
+
+
+def test_workers_parts_with_strings_join_into_one_micro_batch(tmp_path):
+    """Dict rows with a string: the parts of 2 processes x 2 workers, joined, train
+    exactly as 1 process without workers, each string beside its row."""
+    project = stream_project(tmp_path, "named", NAMED, save_strategy="final_only")
+    runs = {"2x2": (2, 8, 2), "1x0": (1, 16, 0)}
+    for name, (nproc, batch, workers) in runs.items():
+        args = [*RUN, "--batch-size", str(batch), "--num-workers", str(workers)]
+        run_warm(project, tmp_path / name, nproc, *args)
+    assert max_difference(final(tmp_path / "2x2"), final(tmp_path / "1x0")) < 1e-5
+    rows = [[float(r["val_loss"]) for r in metrics(tmp_path / name)] for name in runs]
+    assert rows[0] == pytest.approx(rows[1], abs=1e-5) and len(rows[0]) == 4
