@@ -185,7 +185,8 @@ class Training(types.SimpleNamespace):
     - train_loader, val_loader: the DataLoaders (StreamLoaders for streams)
     - steps_per_pass: micro-batches per pass and rank (None: a stream's, unknown)
     - global_batch: samples per optimizer update, over all ranks
-    - total_updates: optimizer updates in the whole run
+    - global_batch, total_updates: samples per optimizer update, over all ranks;
+      optimizer updates in the whole run
     - sums: the LossSums of the training since the last evaluation
 {% if strategy == "best" %}
     - best_val_loss: the lowest validation loss so far
