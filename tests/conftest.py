@@ -29,16 +29,6 @@ TINY = ["--epochs", "2", "--batch-size", "8", "--train-size", "64", "--val-size"
 TINY += ["--num-workers", "0"]
 JOB_TIMEOUT = 120
 
-# Every process the tests start runs as after `pip install -r requirements.txt`, which
-# has no matplotlib: no loss.png (drawing it costs rank 0 about half a CPU-second, a
-# tenth of a tiny run). The tests of the plot pass WITH_MATPLOTLIB as their environment.
-# (Idempotent: xdist's workers inherit the environment this sets in the controller.)
-NO_MATPLOTLIB = str(TEMPLATE / "tests" / "no_matplotlib")
-PATHS = os.environ.get("PYTHONPATH", "").split(os.pathsep)
-PATHS = [path for path in PATHS if path and path != NO_MATPLOTLIB]
-WITH_MATPLOTLIB = {"PYTHONPATH": os.pathsep.join(PATHS)}
-os.environ["PYTHONPATH"] = os.pathsep.join([NO_MATPLOTLIB, *PATHS])
-
 
 # Files of many short cases (about ten seconds each), run after the rest: the few tests of tens
 # of seconds then start early, and two workers run out of work at about the same time.

@@ -1,5 +1,5 @@
 """The speed and insight flags: --amp, --compile, the per-epoch time breakdown,
---profile-steps, loss.png and --tensorboard, a run without NumPy, the allocator
+--profile-steps and --tensorboard, a run without NumPy, the allocator
 setting that keeps page faults out of the CPU step, and the objects spared the
 garbage collector. (--grad-accum: test_workbench.py
 and test_elastic.py.) Speed itself is measured in bench/, never here."""
@@ -18,7 +18,6 @@ from conftest import (
     HERE,
     TINY,
     UPDATE,
-    WITH_MATPLOTLIB,
     bake,
     edit,
     load_weights,
@@ -30,7 +29,6 @@ from conftest import (
 )
 
 COMMON = ["--num-workers", "0", "--val-size", "37", "--train-size", "64"]
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def train(project, out_dir, *args, nproc=2, env=None):
@@ -99,8 +97,8 @@ def test_compile_builds_graphs_and_matches_eager(tmp_path):
     project = bake(tmp_path, save_strategy="final_only")
     edit(
         project,
-        "    report_outputs(out_dir, plotted, tensorboard)\n",
-        "    report_outputs(out_dir, plotted, tensorboard)\n"
+        "    report_outputs(out_dir, tensorboard)\n",
+        "    report_outputs(out_dir, tensorboard)\n"
         "    from torch._dynamo.utils import counters\n"
         '    print("graphs:", counters["stats"]["unique_graphs"])\n',
     )
@@ -120,7 +118,7 @@ def test_compile_builds_graphs_and_matches_eager(tmp_path):
 SAVE_S = 0.5  # each save made this slow, here
 
 
-def test_time_breakdown_profile_plot_and_tensorboard(tmp_path):
+def test_time_breakdown_profile_and_tensorboard(tmp_path):
     """The time columns split the training; saves (made slow here, one after each of
     the 4 updates of an epoch) count in epoch_s only."""
     project = bake(tmp_path, save_strategy="last")
@@ -128,7 +126,7 @@ def test_time_breakdown_profile_plot_and_tensorboard(tmp_path):
     edit(project, old, f"    time.sleep({SAVE_S})\n{old}")
     out_dir = tmp_path / "out"
     args = [*TINY, "--profile-steps", "3", "--tensorboard", "--save-every", "1"]
-    output = train(project, out_dir, *args, env=WITH_MATPLOTLIB)
+    output = train(project, out_dir, *args)
 
     # Epoch 1's row comes before its end-of-epoch save: 3 saves; epoch 2's, 4.
     for row, saves in zip(metrics(out_dir), (3, 4), strict=True):
@@ -144,9 +142,8 @@ def test_time_breakdown_profile_plot_and_tensorboard(tmp_path):
     steps = {e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")}
     assert len(steps) == 3
 
-    assert (out_dir / "loss.png").read_bytes().startswith(PNG_MAGIC)
     tensorboard = f"view: tensorboard --logdir {out_dir / 'tensorboard'}"
-    assert output.count(f"plot {out_dir / 'loss.png'}, {tensorboard}\n") == 1
+    assert output.count(f"metrics {out_dir / 'metrics.csv'}, {tensorboard}\n") == 1
 
     events = EventAccumulator(str(out_dir / "tensorboard"))
     events.Reload()
@@ -155,15 +152,13 @@ def test_time_breakdown_profile_plot_and_tensorboard(tmp_path):
     assert val_loss == pytest.approx(expected, abs=1e-6)
 
 
-def test_without_numpy_matplotlib_or_tensorboard(project, tmp_path):
-    """torch does not need NumPy, and neither does the script; the optional plot and
-    TensorBoard say how to get them."""
-    env = without_modules(tmp_path, "numpy", "matplotlib", "tensorboard")
+def test_without_numpy_or_tensorboard(project, tmp_path):
+    """torch does not need NumPy, and neither does the script; the optional
+    TensorBoard says how to get it."""
+    env = without_modules(tmp_path, "numpy", "tensorboard")
     out_dir = tmp_path / "out"
     output = train(project, out_dir, *TINY, env=env)
-    done = f"metrics {out_dir / 'metrics.csv'} (pip install matplotlib for a plot)\n"
-    assert output.count(done) == 1
-    assert not (out_dir / "loss.png").exists()
+    assert output.count(f"metrics {out_dir / 'metrics.csv'}\n") == 1
     assert [row["epoch"] for row in metrics(out_dir)] == ["1", "2"]
 
     command = ["./run_single.sh", *TINY, "--output-dir", str(tmp_path / "tb")]

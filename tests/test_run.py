@@ -23,8 +23,7 @@ SYNC_BN_WARNING = "warning: SyncBatchNorm runs on GPUs only"
 
 
 def promised_files(answers):
-    """The files a run writes; fsdp2 checkpoints are folders (no .pt). No loss.png: the
-    runs have no matplotlib, as after `pip install -r requirements.txt` (conftest.py)."""
+    """The files a run writes; fsdp2 checkpoints are folders (no .pt)."""
     strategy, ext = answers["save_strategy"], checkpoint_ending(answers)
     files = {"model_final.pt", "metrics.csv"}
     if strategy != "final_only":
@@ -121,7 +120,7 @@ def check_outputs(project, answers, out_dir, result):
     # Rank 0 alone prints, and ends with one line saying where the results are.
     done = (
         f"done: weights {out_dir / 'model_final.pt'}, metrics "
-        f"{out_dir / 'metrics.csv'} (pip install matplotlib for a plot)\n"
+        f"{out_dir / 'metrics.csv'}\n"
     )
     assert log.count("done: ") == 1 and log.count(done) == 1, log
     assert "Warning:" not in log, log  # no deprecation or user warning from torch

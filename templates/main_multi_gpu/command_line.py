@@ -106,7 +106,7 @@ def add_training_arguments(parser):
         "--output-dir",
         default="outputs",
         metavar="DIR",
-        help="where checkpoints, final weights, metrics and plots go",
+        help="where checkpoints, final weights and metrics go",
     )
     parser.add_argument(
         "--resume",

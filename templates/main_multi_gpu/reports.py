@@ -1,5 +1,5 @@
 # --------------------------------------------------------------------------------------
-# Reports: progress, metrics.csv, the time per epoch, plots, preflight
+# Reports: progress, metrics.csv, the time per epoch, preflight
 # --------------------------------------------------------------------------------------
 class Reports(contextlib.ExitStack):
     """Everything a run reports besides the training itself: the progress bar, where
@@ -200,34 +200,10 @@ def write_metrics(path, rows):
         )
 
 
-def plot_losses(metrics_path, png_path):
-    """Train and validation loss at each evaluation; False without matplotlib."""
-    try:  # optional; a Figure without pyplot draws off-screen and loads faster
-        from matplotlib.figure import Figure
-    except ImportError:
-        return False
-    rows = read_metrics(metrics_path)
-    steps = [int(row["step"]) for row in rows]
-    figure = Figure(figsize=(6, 4))
-    axes = figure.subplots()
-    for key in ("train_loss", "val_loss"):
-        axes.plot(steps, [float(row[key]) for row in rows], marker="o", label=key)
-    axes.set(xlabel="optimizer updates", ylabel="loss")
-    axes.legend()
-    figure.tight_layout()
-    with replacing(png_path, "wb") as f:
-        figure.savefig(f, format="png")
-    return True
-
-
-def report_outputs(out_dir, plotted, tensorboard):
+def report_outputs(out_dir, tensorboard):
     """One line at the end: where the results are, and how to look at them."""
     parts = [f"weights {out_dir / 'model_final.pt'}"]
     parts.append(f"metrics {out_dir / 'metrics.csv'}")
-    if plotted:
-        parts.append(f"plot {out_dir / 'loss.png'}")
-    else:
-        parts[-1] += " (pip install matplotlib for a plot)"
     if tensorboard:
         parts.append(f"view: tensorboard --logdir {out_dir / 'tensorboard'}")
     print("done: " + ", ".join(parts), flush=True)

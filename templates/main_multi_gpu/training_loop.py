@@ -243,7 +243,7 @@ def train(args, device):
 
 def save_final(weights, evaluated, out_dir, tensorboard):
     """Rank 0, at the run's end: model_final.pt (and the evaluated weights, when
-    keep() named others), the plot, and where they are."""
+    keep() named others), and where they are."""
     save_atomic(weights, out_dir / "model_final.pt")
     for name, state in evaluated.items():
         save_atomic(state, out_dir / f"model_final_{name}.pt")
@@ -251,8 +251,7 @@ def save_final(weights, evaluated, out_dir, tensorboard):
     # final_only: the checkpoint a stop or --save-every wrote goes
 {{ saving.remove_last_checkpoint() }}
 {% endif %}
-    plotted = plot_losses(out_dir / "metrics.csv", out_dir / "loss.png")
-    report_outputs(out_dir, plotted, tensorboard)
+    report_outputs(out_dir, tensorboard)
 
 
 def finished(args, at):
