@@ -97,8 +97,8 @@ def test_compile_builds_graphs_and_matches_eager(tmp_path):
     project = bake(tmp_path, save_strategy="final_only")
     edit(
         project,
-        "    report_outputs(out_dir, tensorboard)\n",
-        "    report_outputs(out_dir, tensorboard)\n"
+        "    report_outputs(out_dir, trackers)\n",
+        "    report_outputs(out_dir, trackers)\n"
         "    from torch._dynamo.utils import counters\n"
         '    print("graphs:", counters["stats"]["unique_graphs"])\n',
     )
@@ -163,9 +163,10 @@ def test_without_numpy_or_tensorboard(project, tmp_path):
 
     command = ["./run_single.sh", *TINY, "--output-dir", str(tmp_path / "tb")]
     code, output = run_job([*command, "--tensorboard"], project, env)
-    assert code == 1
+    assert code == 2  # refused before anything starts
     lines = [line for line in output.splitlines() if line.startswith("error:")]
-    assert lines == ["error: --tensorboard needs TensorBoard: pip install tensorboard"]
+    line = "error: --tracker tensorboard needs tensorboard: pip install tensorboard"
+    assert lines == [line]
 
 
 # After each optimizer step: rank 0 prints its minor page faults per step over 180

@@ -11,6 +11,8 @@ def parse_args(argv=None):
     add_speed_arguments(parser.add_argument_group("speed and insight"))
     add_running_arguments(parser.add_argument_group("processes and machines"))
     args = parser.parse_args(argv)
+    if args.tensorboard and "tensorboard" not in args.tracker:  # the older flag
+        args.tracker += tracker_names("tensorboard")
     if not (args.evaluate or args.preflight):  # the modes that write nothing
         # Refuse a --output-dir that rank 0 could not make or write in (this only
         # looks: the folder is made when training starts).
@@ -186,10 +188,39 @@ def add_speed_arguments(parser):
         help="write a torch.profiler trace of N steps of rank 0 to DIR/profile",
     )
     parser.add_argument(
-        "--tensorboard",
-        action="store_true",
-        help="also log metrics to DIR/tensorboard (needs tensorboard)",
+        "--tracker",
+        type=tracker_names,
+        default=[],
+        metavar="NAMES",
+        help="rank 0 logs each evaluation's metrics there too: a comma list of "
+        "tensorboard, wandb, mlflow (one tracker run per output folder, continued "
+        "by every resume)",
     )
+    parser.add_argument(
+        "--tensorboard", action="store_true", help="the same as --tracker tensorboard"
+    )
+    parser.add_argument(
+        "--experiment",
+        default="{{ cookiecutter.project_slug }}",
+        help="the W&B project, the MLflow experiment",
+    )
+    parser.add_argument("--run-name", help="tracker runs' name (default: DIR's name)")
+
+
+def tracker_names(text):
+    """--tracker's type: each name once, known and installed (else one line, before
+    any process starts)."""
+    names = list(dict.fromkeys(name for name in text.split(",") if name))
+    for name in names:
+        if name not in TRACKERS:
+            choices = ", ".join(TRACKERS)
+            raise argparse.ArgumentTypeError(f"{name!r} is not one of {choices}")
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            line = f"error: --tracker {name} needs {name}: pip install {name}"
+            raise failure(line, status=2) from None
+    return names
 
 
 def add_running_arguments(parser):

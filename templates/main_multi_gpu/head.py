@@ -14,8 +14,10 @@ import ctypes
 import faulthandler
 import functools
 import gc
+import importlib
 import io
 import itertools
+import json
 import logging
 import math
 import multiprocessing

@@ -3,14 +3,14 @@
 # --------------------------------------------------------------------------------------
 class Reports(contextlib.ExitStack):
     """Everything a run reports besides the training itself: the progress bar, where
-    the time goes, the profiler, metrics.csv, TensorBoard and the line per
+    the time goes, the profiler, metrics.csv, the trackers and the line per
     evaluation. Every rank times its own steps; rank 0 alone shows and writes. What
     it starts ends with the `with` block (an ExitStack)."""
 
-    def __init__(self, t, out_dir):
+    def __init__(self, t, at, out_dir):
         super().__init__()
         self.t, self.out_dir, self.is_main = t, out_dir, dist.get_rank() == 0
-        self.progress = self.profiler = self.writer = None
+        self.progress = self.profiler = self.trackers = None
         self.start_interval()
         # Every optimizer's steps are timed by hooks, a mark before each and one after:
         # the loop carries no timing code.
@@ -21,15 +21,11 @@ class Reports(contextlib.ExitStack):
         self.memory_shown = False
         self.callback(optimizer.register_step_post_hook(self.show_memory).remove)
 {% endif %}
-        if t.args.tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as err:
-                raise failure(
-                    "error: --tensorboard needs TensorBoard: pip install tensorboard"
-                ) from err
-            if self.is_main:
-                self.writer = self.enter_context(SummaryWriter(out_dir / "tensorboard"))
+        self.code = 0  # the exit status, for the trackers: a stop sets it
+        if t.args.tracker:  # rank 0's; the others wait: a failure there ends them too
+            self.trackers = by_rank_0(t.device, Trackers, t, out_dir, at.step)
+            if self.trackers:  # ended with the right status however the run ends
+                self.push(lambda error, *_: self.trackers.end(error and 1 or self.code))
         if self.is_main and (steps := t.args.profile_steps):  # its trace: as it stops
             schedule = torch.profiler.schedule(wait=1, warmup=1, active=steps, repeat=1)
             trace = torch.profiler.tensorboard_trace_handler(str(out_dir / "profile"))
@@ -118,7 +114,7 @@ class Reports(contextlib.ExitStack):
                     self.profiler.step()
 
     def row(self, at, metrics):
-        """An evaluation's row in metrics.csv (and TensorBoard), and its line: the
+        """An evaluation's row in metrics.csv (and the trackers), and its line: the
         training since the previous row (its steps; saves left out), then the
         validation metrics. Every rank calls it (the loss is summed over ranks)."""
         loss_sum, units = self.t.sums.totals(reset=True)
@@ -127,7 +123,7 @@ class Reports(contextlib.ExitStack):
         self.start_interval()
 
     def write(self, at, train_loss, metrics):
-        """Rank 0: the row into metrics.csv and TensorBoard, and as a line."""
+        """Rank 0: the row into metrics.csv and the trackers, and as a line."""
         if self.t.device.type == "cuda":
             torch.cuda.synchronize()  # the events above have all happened
         step_s = sum(seconds(a, b) for a, b in self.steps)
@@ -149,10 +145,9 @@ class Reports(contextlib.ExitStack):
         }
         path = self.out_dir / "metrics.csv"  # a column new in it joins the header
         write_metrics(path, [*read_metrics(path), row])
-        if self.writer:
-            for key, value in row.items():
-                self.writer.add_scalar(key, value, row["step"])
         args, epoch, step = self.t.args, row.pop("epoch"), row.pop("step")
+        if self.trackers:
+            self.trackers.log({"epoch": epoch, **row}, step)
         head = f"epoch {epoch}/{args.epochs}  step {step}"
         if args.max_steps:  # the run's length in steps
             head = f"step {step}/{args.max_steps}  epoch {epoch}"
@@ -200,12 +195,143 @@ def write_metrics(path, rows):
         )
 
 
-def report_outputs(out_dir, tensorboard):
+TEMPLATE = (  # the answers this file was generated with: tracker runs keep them
+    "nodes={{ cookiecutter.nodes }} launcher={{ cookiecutter.launcher }} parallelism={{ cookiecutter.parallelism }} "
+    "use_batch_sampler={{ cookiecutter.use_batch_sampler }} sync_bn={{ cookiecutter.sync_bn }} "
+    "save_strategy={{ cookiecutter.save_strategy }} scheduler={{ cookiecutter.scheduler }}"
+)
+
+
+class Trackers:
+    """Rank 0's experiment trackers (--tracker): one tracker run per output folder.
+    DIR/trackers.json keeps the runs' ids, so that a resume, a requeue, an elastic
+    round or the same command after a crash go on with the same runs (--resume
+    never: new ones). Each optimizer update is logged once, as step = updates done:
+    those a crash makes the next attempt repeat, the runs already have."""
+
+    def __init__(self, t, out_dir, step):
+        args, self.path = t.args, out_dir / "trackers.json"
+        fresh = args.resume == "never" or not self.path.exists()
+        self.saved = {} if fresh else json.loads(self.path.read_text())
+        config = {key: plain(value) for key, value in vars(args).items()}
+        config |= {"world_size": dist.get_world_size(), "global_batch": t.global_batch}
+        config["template"] = TEMPLATE
+        # A run gets the configuration once; an attempt that changes it, the change.
+        old, attempt = self.saved.get("config", {}), self.saved.get("attempts", 0) + 1
+        new = {
+            f"{key} from attempt {attempt} at step {step}": value
+            for key, value in config.items()
+            if old.get(key) != value
+        }
+        self.runs = []
+        for name in args.tracker:
+            run_id = self.saved.get(name)
+            try:  # a server, a login, a file: one line
+                run = TRACKERS[name](run_id, new if run_id else config, out_dir, args)
+            except Exception as err:  # noqa: BLE001
+                reason = str(err).strip().splitlines()[0]
+                raise failure(f"error: --tracker {name} failed: {reason}") from None
+            self.runs.append(run)
+            self.saved[name] = run.id
+        self.saved |= {"config": old | config, "attempts": attempt}
+        self.save()
+
+    def save(self):
+        with replacing(self.path, "w") as f:
+            json.dump(self.saved, f, indent=1)
+
+    def log(self, row, step):
+        """An evaluation's row, at its step, unless the runs have it already."""
+        if step > self.saved.get("step", 0):
+            self.saved["step"] = step  # first: a crash can lose a row, never repeat it
+            self.save()
+            for run in self.runs:
+                run.log(row, step)
+
+    def end(self, code):
+        """Every run ends with the exit status: 0, 128 + a stop signal, or 1."""
+        for run in self.runs:
+            run.end(code)
+
+
+class TensorBoardRun:
+    def __init__(self, run_id, config, out_dir, args):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer, self.id = SummaryWriter(out_dir / "tensorboard"), "tensorboard"
+        self.writer.add_text("config", json.dumps(config, indent=1))
+
+    def log(self, row, step):
+        for key, value in row.items():
+            self.writer.add_scalar(key, value, step)
+
+    def end(self, code):
+        self.writer.close()
+
+
+class WandbRun:
+    def __init__(self, run_id, config, out_dir, args):
+        import wandb
+
+        settings = wandb.Settings(console="off", silent=True)  # the lines are ours
+        self.wandb, name = wandb, args.run_name or out_dir.name
+        self.run = wandb.init(
+            project=args.experiment,
+            name=name,
+            id=run_id,
+            resume="allow",
+            dir=out_dir,
+            config=config,
+            settings=settings,
+        )
+        self.id, self.log = self.run.id, self.run.log  # log(row, step)
+
+    def end(self, code):
+        if code > 128:  # stopped by a signal, after a save: preempted
+            self.run.mark_preempting()
+        self.run.finish(exit_code=code)
+        self.wandb.teardown()  # its service process, before stop_children()
+
+
+class MLflowRun:
+    def __init__(self, run_id, config, out_dir, args):
+        import mlflow
+
+        for logger in ("mlflow", "alembic"):  # a new SQLite file's lines
+            logging.getLogger(logger).setLevel(logging.WARNING)
+        mlflow.set_tracking_uri(mlflow_uri(out_dir))
+        if run_id is None:  # a new run (an old one knows its experiment)
+            mlflow.set_experiment(args.experiment)
+        run = mlflow.start_run(run_id, run_name=args.run_name or out_dir.name)
+        mlflow.log_params(config)
+        self.mlflow, self.id, self.log = mlflow, run.info.run_id, mlflow.log_metrics
+
+    def end(self, code):
+        status = "FINISHED" if code == 0 else "KILLED" if code > 128 else "FAILED"
+        self.mlflow.end_run(status)
+
+
+TRACKERS = {"tensorboard": TensorBoardRun, "wandb": WandbRun, "mlflow": MLflowRun}
+
+
+def mlflow_uri(out_dir):
+    """MLflow's store: $MLFLOW_TRACKING_URI, else a SQLite file in the output folder."""
+    default = f"sqlite:///{(out_dir / 'mlflow.db').absolute()}"
+    return os.environ.get("MLFLOW_TRACKING_URI", default)
+
+
+def report_outputs(out_dir, trackers):
     """One line at the end: where the results are, and how to look at them."""
     parts = [f"weights {out_dir / 'model_final.pt'}"]
     parts.append(f"metrics {out_dir / 'metrics.csv'}")
-    if tensorboard:
-        parts.append(f"view: tensorboard --logdir {out_dir / 'tensorboard'}")
+    views = {
+        "tensorboard": f"tensorboard --logdir {out_dir / 'tensorboard'}",
+        "mlflow": f"mlflow ui --backend-store-uri {mlflow_uri(out_dir)}",
+        "wandb": f"wandb sync {out_dir / 'wandb'}/offline-run-*",
+    }
+    if os.environ.get("WANDB_MODE") not in ("offline", "dryrun"):
+        views["wandb"] = "the run's page in W&B"
+    parts += [f"view: {views[name]}" for name in trackers]
     print("done: " + ", ".join(parts), flush=True)
 
 

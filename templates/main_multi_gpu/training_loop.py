@@ -231,17 +231,18 @@ def train(args, device):
     checkpoint = load_checkpoint(args.resume, last_path, device)
     t = build_training(args, device, checkpoint)
     at = resume(t, checkpoint, out_dir)
-    with Reports(t, out_dir) as reports:
+    with Reports(t, at, out_dir) as reports:
         while not finished(args, at):
             if train_pass(t, at, reports):  # a stop signal: saved, so stop
-                return stopped(last_path, at, args.batch_size)
+                reports.code = stopped(last_path, at, args.batch_size)
+                return reports.code
 {{ saving.final_weights() }}
     evaluated = {k: e.state_dict() for k, (_, e) in KEPT.items() if e is t.evaluated}
-    by_rank_0(device, save_final, weights, evaluated, out_dir, args.tensorboard)
+    by_rank_0(device, save_final, weights, evaluated, out_dir, args.tracker)
     return 0
 
 
-def save_final(weights, evaluated, out_dir, tensorboard):
+def save_final(weights, evaluated, out_dir, trackers):
     """Rank 0, at the run's end: model_final.pt (and the evaluated weights, when
     keep() named others), and where they are."""
     save_atomic(weights, out_dir / "model_final.pt")
@@ -251,7 +252,7 @@ def save_final(weights, evaluated, out_dir, tensorboard):
     # final_only: the checkpoint a stop or --save-every wrote goes
 {{ saving.remove_last_checkpoint() }}
 {% endif %}
-    report_outputs(out_dir, tensorboard)
+    report_outputs(out_dir, trackers)
 
 
 def finished(args, at):

@@ -1,0 +1,182 @@
+"""Experiment trackers (--tracker): one tracker run per output folder, whatever stops
+the job. MLflow is read back with its own client from the SQLite file the run writes
+by default; W&B runs offline (WANDB_MODE=offline), as it would on a compute node
+without a network.
+- MLflow: a SIGTERM and the same command, and a kill -9 and the same command, each
+  end in one run whose every step is logged once, with a straight run's values, its
+  configuration logged once (a resume's new flag beside it), and the right status
+  after each attempt: KILLED, FAILED, FINISHED; --resume never starts a new run.
+- W&B offline: the same run id across a restart, its folders where the README says.
+- A tracker not installed, or not known: one line before anything starts."""
+
+import json
+
+import mlflow
+import pytest
+from test_features import without_modules
+from test_recipes import killed_and_rerun, stopped, train
+
+from conftest import act_after_step, bake, error_lines, metrics, run_single
+
+# 2 processes x 8 samples, 64 samples: 4 updates a pass, an evaluation after each.
+ARGS = ["--epochs", "2", "--batch-size", "8", "--eval-every", "1"]
+STEPS = list(range(1, 9))
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    project = bake(tmp_path_factory.mktemp("trackers"), save_strategy="last")
+    act_after_step(project)
+    return project
+
+
+def mlflow_runs(out_dir):
+    """The runs of the default experiment in the output folder's MLflow file, oldest
+    first, each as (run, {metric: [(step, value)]}, params)."""
+    client = mlflow.MlflowClient(f"sqlite:///{out_dir / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("ddp_trainer")
+    runs = client.search_runs([experiment.experiment_id], order_by=["start_time"])
+    found = []
+    for run in runs:
+        history = {
+            key: [
+                (m.step, m.value)
+                for m in client.get_metric_history(run.info.run_id, key)
+            ]
+            for key in run.data.metrics
+        }
+        found.append((run, history, run.data.params))
+    return found
+
+
+def steps_of(history, key="train_loss"):
+    return sorted(step for step, _ in history[key])
+
+
+@pytest.fixture(scope="module")
+def straight(project, tmp_path_factory):
+    """A run never stopped: its only MLflow run's metrics."""
+    out_dir = tmp_path_factory.mktemp("straight")
+    train(project, out_dir, 2, *ARGS, "--tracker", "mlflow")
+    [(run, history, params)] = mlflow_runs(out_dir)
+    assert run.info.status == "FINISHED"
+    assert steps_of(history) == STEPS and steps_of(history, "val_loss") == STEPS
+    assert params["lr"] == "0.1" and params["world_size"] == "2"
+    assert params["global_batch"] == "16" and "nodes=single" in params["template"]
+    # metrics.csv and MLflow hold the same values.
+    rows = {int(row["step"]): float(row["val_loss"]) for row in metrics(out_dir)}
+    assert dict(history["val_loss"]) == pytest.approx(rows, rel=1e-6)
+    return history
+
+
+def assert_same_history(history, straight):
+    """Every step once, each training and validation value the straight run's."""
+    for key in ("train_loss", "val_loss", "val_acc", "lr"):
+        assert [step for step, _ in history[key]] == STEPS, key  # once each, in order
+        assert dict(history[key]) == pytest.approx(dict(straight[key]), abs=1e-6), key
+
+
+def test_mlflow_one_run_across_sigterm_and_resume(project, straight, tmp_path):
+    out_dir = tmp_path / "out"
+    stopped(project, out_dir, *ARGS, "--tracker", "mlflow")
+    [(run, history, params)] = mlflow_runs(out_dir)
+    assert run.info.status == "KILLED" and steps_of(history) == [1, 2]
+    first = dict(params)
+
+    # The same command, one flag changed (a harmless one): the change is recorded
+    # beside the run's configuration, which stays as it was.
+    train(project, out_dir, 2, *ARGS, "--tracker", "mlflow", "--dist-timeout", "90")
+    [(run, history, params)] = mlflow_runs(out_dir)
+    assert run.info.status == "FINISHED"
+    assert_same_history(history, straight)
+    assert params == first | {"dist_timeout from attempt 2 at step 2": "90.0"}
+    ids = json.loads((out_dir / "trackers.json").read_text())
+    assert ids["mlflow"] == run.info.run_id
+
+    # --resume never: a new run, from step 1.
+    train(project, out_dir, 2, *ARGS, "--tracker", "mlflow", "--resume", "never")
+    [(old, _, _), (new, history, _)] = mlflow_runs(out_dir)
+    assert old.info.run_id == run.info.run_id and new.info.run_id != old.info.run_id
+    assert new.info.status == "FINISHED" and steps_of(history) == STEPS
+
+
+def test_mlflow_kill_9_and_the_same_command(project, straight, tmp_path):
+    """Rank 1 killed after update 6 (the checkpoint is update 4's): the run ends as
+    FAILED; the same command repeats updates 5 and 6, which are not logged again."""
+    out_dir = tmp_path / "out"
+    killed_and_rerun(project, out_dir, *ARGS, "--tracker", "mlflow")
+    [(run, history, params)] = mlflow_runs(out_dir)
+    assert run.info.status == "FINISHED"
+    assert_same_history(history, straight)
+    # Its configuration once, unchanged (the warm rerun, started without run_single.sh,
+    # lacks the launcher's own --torchrun: the one difference).
+    changed = {key for key in params if "from attempt" in key}
+    assert changed <= {"torchrun from attempt 2 at step 4"}, params
+    assert params["epochs"] == "2"
+
+
+def test_mlflow_failed_status_on_an_error(project, tmp_path):
+    error = {"TEST_ACT_AT": "0:0:1", "TEST_ACTION": "raise ValueError('bad batch')"}
+    output = train(
+        project, tmp_path, 2, *ARGS, "--tracker", "mlflow", env=error, expect=1
+    )
+    assert "bad batch" in output
+    [(run, history, _)] = mlflow_runs(tmp_path)
+    assert run.info.status == "FAILED" and steps_of(history) == [1]
+
+
+def test_wandb_offline_keeps_its_run_id_across_a_restart(
+    project, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    args = [*ARGS, "--tracker", "wandb,tensorboard", "--num-workers", "2"]
+    stopped(project, tmp_path, *args)
+    run_id = json.loads((tmp_path / "trackers.json").read_text())["wandb"]
+    output = train(project, tmp_path, 2, *args)
+    assert json.loads((tmp_path / "trackers.json").read_text())["wandb"] == run_id
+    # One folder per attempt, each with the same id: `wandb sync` makes them one run.
+    folders = sorted(p.name for p in (tmp_path / "wandb").glob("offline-run-*"))
+    assert len(folders) == 2 and all(f"-{run_id}" in name for name in folders)
+    assert all(
+        (tmp_path / "wandb" / name / f"run-{run_id}.wandb").exists() for name in folders
+    )
+    done = [line for line in output.splitlines() if line.startswith("done:")]
+    assert f"view: wandb sync {tmp_path / 'wandb'}/offline-run-*" in done[0]
+    assert f"view: tensorboard --logdir {tmp_path / 'tensorboard'}" in done[0]
+    # The tracker's service ended before the process did: nothing after the line.
+    assert "Traceback" not in output and "Exception ignored" not in output
+
+
+@pytest.mark.parametrize(
+    "value, line",
+    [
+        ("mlflow", "error: --tracker mlflow needs mlflow: pip install mlflow"),
+        (
+            "neptune",
+            (
+                "error: argument --tracker: 'neptune' is not one of tensorboard, "
+                "wandb, mlflow (see --help)"
+            ),
+        ),
+    ],
+)
+def test_a_tracker_not_installed_or_not_known(project, tmp_path, value, line):
+    env = without_modules(tmp_path, "mlflow")
+    output = run_single(
+        project, tmp_path / "out", 2, "--tracker", value, env=env, expect=2
+    )
+    assert error_lines(output) == [line], output
+    assert not (tmp_path / "out").exists()  # refused before anything started
+
+
+def test_a_tracker_that_cannot_start_is_one_line(project, tmp_path):
+    """MLflow's store asked for under a file: rank 0 says so in one line, and every
+    rank ends, before training."""
+    blocked = tmp_path / "a_file"
+    blocked.write_text("")
+    env = {"MLFLOW_TRACKING_URI": f"sqlite:///{blocked}/mlflow.db"}
+    args = [*ARGS, "--tracker", "mlflow", "--num-workers", "0"]
+    output = run_single(project, tmp_path / "out", 2, *args, env=env, expect=1)
+    [line] = error_lines(output)
+    assert line.startswith("error: --tracker mlflow failed: ") and str(blocked) in line
+    assert "Traceback" not in output and "step 1" not in output
