@@ -249,9 +249,10 @@ def run_warm(project, out_dir, nproc, *args, env=None, expect=0):
     or mp.spawn) would start them."""
     global WARM
     # A path of the test's own (a sitecustomize, a module made to fail): a fresh
-    # launch. Fewer paths (WITH_MATPLOTLIB): the ranks leave them out of sys.path.
-    paths = (env or {}).get("PYTHONPATH", os.environ["PYTHONPATH"]).split(os.pathsep)
-    if not set(paths) - {""} <= set(os.environ["PYTHONPATH"].split(os.pathsep)):
+    # launch. Fewer paths: the ranks leave them out of sys.path.
+    ours = os.environ.get("PYTHONPATH", "")
+    paths = (env or {}).get("PYTHONPATH", ours).split(os.pathsep)
+    if not set(paths) - {""} <= set(ours.split(os.pathsep)):
         return run_single(project, out_dir, nproc, *args, env=env, expect=expect)
     if WARM is None or WARM.poll() is not None:
         WARM = subprocess.Popen(

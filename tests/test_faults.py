@@ -314,7 +314,7 @@ def test_torchrun_workers_use_no_port_of_their_own(tmp_path, reference, restarts
         busy.bind(("", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        paths = os.pathsep.join([str(site), os.environ["PYTHONPATH"]])
+        paths = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
         env = {"MAX_RESTARTS": str(restarts), "TEST_TAKEN_PORT": str(port)}
         command, env = single(tmp_path / "out", SHORT, PYTHONPATH=paths, **env)
         code, output, _, left = watch(command, project, env)

@@ -103,7 +103,7 @@ def test_an_update_calls_no_collective_of_its_own(tmp_path, parallelism):
     env = {
         "COUNT_DIR": str(tmp_path),
         "PYTHONPATH": os.pathsep.join(
-            [str(tmp_path / "site"), os.environ["PYTHONPATH"]]
+            filter(None, [str(tmp_path / "site"), os.environ.get("PYTHONPATH")])
         ),
     }
     args = ["--max-steps", "100", "--batch-size", "4", "--train-size", "800"]
