@@ -142,9 +142,6 @@ class HangWatch:
     work (rank 0 saving a huge checkpoint) counts as stuck too: raise --dist-timeout
     for such jobs. The ranks agree through the store, not a collective."""
 
-    def __init__(self):
-        self.beats, self.done, self.reporting = 0, threading.Event(), False
-
     def beat(self):
         self.beats += 1
 
@@ -152,17 +149,18 @@ class HangWatch:
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self.store, self.timeout = dist.PrefixStore(f"hang/{restart}", store), timeout
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.beats, self.done, self.reporting = 0, threading.Event(), False
         self.thread = threading.Thread(target=self.watch, name="watch", daemon=True)
         self.thread.start()
 
     def stop(self):
         self.done.set()
         self.thread.join()
-        faulthandler.cancel_dump_traceback_later()
 
     def watch(self):
         last, since = None, time.monotonic()
-        try:
+        # The store may go with its host (rank 0, a launcher), which ends this rank too.
+        with contextlib.suppress(dist.DistError):
             while not self.done.wait(1.0):
                 # If this thread cannot run (a C call holding the GIL), faulthandler
                 # prints every thread's stack and ends the process in its place.
@@ -175,8 +173,7 @@ class HangWatch:
                     self.store.set("declared", str(self.rank))
                 if self.store.check(["declared"]):
                     return self.report()
-        except dist.DistError:  # the store went with its host (rank 0, a launcher),
-            faulthandler.cancel_dump_traceback_later()  # which ends this rank too
+        faulthandler.cancel_dump_traceback_later()  # stopped (report() never returns)
 
     def report(self):
         """Print this rank's stack, say where it stands, and end the job. Rank 0
@@ -217,16 +214,14 @@ class HangWatch:
             lines.append(f"  rank {rank}: {where}  ({kind})")
             if kind != WAITS:
                 stuck.append(str(rank))
+        who = ("rank " if len(stuck) == 1 else "ranks ") + ", ".join(stuck)
         verdict = (
-            "every rank waits in a collective: not all in the same one (a rank "
+            f"{who}: no progress outside a collective, while the others wait; "
+            f"see the lines above that start with [rank {stuck[0]}]."
+            if stuck
+            else "every rank waits in a collective: not all in the same one (a rank "
             "skipped or added one), or the network between them stalled."
         )
-        if stuck:
-            who = ("rank " if len(stuck) == 1 else "ranks ") + ", ".join(stuck)
-            verdict = (
-                f"{who}: no progress outside a collective, while the others wait; "
-                f"see the lines above that start with [rank {stuck[0]}]."
-            )
         head = f"hang: no progress for {self.timeout:g} s (--dist-timeout); where each"
         print("\n".join([f"{head} rank stood:", *lines, verdict]), file=sys.stderr)
 
@@ -290,13 +285,10 @@ def print_stacks(rank, main_traceback=None, loader_workers=False):
 def handles(pid, signum):
     """Whether process pid has a handler for signum, as Linux tells (elsewhere:
     assumed). A DataLoader worker gets its own in loader_worker_init()."""
-    if sys.platform != "linux":
-        return True
-    with contextlib.suppress(OSError):  # gone
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("SigCgt:"):
-                return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
-    return False
+    with contextlib.suppress(OSError):  # no /proc (not Linux), or the process is gone
+        caught = re.search(r"SigCgt:\s(\w+)", Path(f"/proc/{pid}/status").read_text())
+        return bool(int(caught[1], 16) >> (signum - 1) & 1)  # a mask of hex digits
+    return sys.platform != "linux"
 
 
 def report_lost_peer(err):
@@ -387,13 +379,15 @@ def quiet_torch_logs(logger, messages):
         handler.addFilter(lambda log: not any(m in str(log.msg) for m in messages))
 
 
-def died(rank, signal_name):
-    line = f"error: rank {rank} died ({signal_name}); the other workers were stopped"
-    print(line, file=sys.stderr)
+def worker_failed(rank, how):
+    """A launcher's exit after a worker failed or died (`how`, said in its line)."""
+    return failure(f"error: rank {rank} {how}; the other workers were stopped")
 
 
-def abort_line():
-    """A second Ctrl-C: the workers were killed; say so and exit at once."""
+def abort():
+    """A second Ctrl-C in a launcher: kill the workers (and all below them) at once,
+    say so, and exit."""
+    stop_children()
     print("aborted: a second Ctrl-C stopped the workers at once", file=sys.stderr)
     os._exit(128 + signal.SIGINT)
 

@@ -106,18 +106,15 @@ def main():
     master_port = args.master_port or hold_free_port(held)
     first_rank = 0
 {% endif %}
-    processes, stops = [], []  # the workers; the signals received
+    stops = []  # the signals received
 
     def on_signal(signum, frame):
         # Ctrl-C reaches the workers too; a SIGTERM sent here alone is passed on.
         stops.append(signum)
         if len(stops) > 1 and signum == signal.SIGINT:
-            for process in processes:
-                process.kill()
-            abort_line()
-        for process in processes:
-            if process.is_alive():
-                process.terminate()  # SIGTERM: each worker saves, then exits
+            abort()
+        for process in multiprocessing.active_children():  # the workers started
+            process.terminate()  # SIGTERM: each worker saves, then exits
 
     for signum in STOPS:
         signal.signal(signum, on_signal)  # before they start: the workers reset it
@@ -127,23 +124,16 @@ def main():
     workers = mp.start_processes(
         worker, args=(args, master_port), nprocs=args.nproc_per_node, join=False
     )
-    processes += workers.processes
     try:
         while not workers.join():
             pass
     except mp.ProcessRaisedException as error:
         print(error, file=sys.stderr)
-        rank = first_rank + error.error_index
-        print(
-            f"error: rank {rank} failed; the other workers were stopped",
-            file=sys.stderr,
-        )
-        return 1
+        raise worker_failed(first_rank + error.error_index, "failed") from None
     except mp.ProcessExitedException as error:
         if error.exit_code < 0:
             rank = first_rank + error.error_index
-            died(rank, error.signal_name)
-            return 1
+            raise worker_failed(rank, f"died ({error.signal_name})") from None
         return error.exit_code  # the worker said why (130 or 143: it saved first)
     return 0
 

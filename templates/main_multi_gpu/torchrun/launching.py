@@ -46,13 +46,9 @@ def launch(options, timeout, backend):
     def on_signal(signum, frame):
         stops.append(signum)
         if len(stops) == 1:  # torchrun passes it to the workers, which save and stop
-            name = signal.Signals(signum)
-            raise SignalException(f"got {name.name}", sigval=name)
+            raise SignalException(f"signal {signum}", sigval=signal.Signals(signum))
         if signum == signal.SIGINT:  # a second Ctrl-C: stop the workers at once
-            for pid in descendants(os.getpid()):  # workers lead groups
-                with contextlib.suppress(ProcessLookupError):  # it ended already
-                    os.killpg(pid, signal.SIGKILL)
-            abort_line()
+            abort()
 
     for signum in STOPS:
         signal.signal(signum, on_signal)
@@ -81,13 +77,11 @@ def launch(options, timeout, backend):
                 "RDZV_FILE on a disk every machine shares lets any machine go"
             ) from None
 {% endif %}
-        print(rendezvous_failed(err, endpoint(parsed)), file=sys.stderr, flush=True)
-        return 1
+        raise failure(rendezvous_failed(err, endpoint(parsed))) from None
     except ChildFailedError as error:
         rank, failed = min(error.failures.items(), key=lambda item: blame(item[1]))
         if failed.exitcode < 0:
-            died(rank, failed.signal_name())
-            return 1
+            raise worker_failed(rank, f"died ({failed.signal_name()})") from None
         return failed.exitcode  # the worker said why
     return 0
 
