@@ -98,7 +98,7 @@ def data_path_cost(stream_project, steps, batch_size, repeats, world_size=2):
     """CPU ms per step that rank 0 of a `world_size`-process run spends getting its
     batches (no workers: in the training process), map-style and as a stream."""
     import torch.distributed as dist
-    from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
+    from torch.utils.data import BatchSampler, DataLoader
 
     project = load(stream_project)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -108,8 +108,8 @@ def data_path_cost(stream_project, steps, batch_size, repeats, world_size=2):
     stream, _ = project.build_datasets(data_args)
 
     def map_style_loader():
-        shard = DistributedSampler(map_style, world_size, rank=0, seed=0)
-        batches = BatchSampler(project.ResumableSampler(shard), batch_size, False)
+        shard = project.ResumableSampler(map_style, world_size, rank=0, seed=0)
+        batches = BatchSampler(shard, batch_size, False)
         return DataLoader(map_style, batch_sampler=batches)
 
     def stream_loader():

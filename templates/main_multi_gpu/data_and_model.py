@@ -28,32 +28,26 @@ def build_training(args, device, checkpoint):
     train_set, val_set = datasets(args)
     t.train_data, t.train_loader = build_loader(train_set, args, device, checkpoint)
     t.val_loader = build_val_loader(val_set, args, device)
-    t.steps_per_pass = pass_steps(train_set, t.train_loader, args)
-    size = len(train_set) if isinstance(train_set, Sized) else math.inf
-    t.global_batch = batch = dist.get_world_size() * args.batch_size * args.grad_accum
-    if batch > size:
+    per_step = dist.get_world_size() * args.batch_size  # samples, over all ranks
+    t.global_batch = batch = per_step * args.grad_accum
+    # Micro-batches per pass and rank, as the DataLoader makes them (the sampler pads
+    # the shares to equal) or the StreamLoader; None for a stream without a length.
+    size = len(train_set) if isinstance(train_set, Sized) else None
+    t.steps_per_pass = math.ceil(size / per_step) if size else None
+    if size and batch > size:
         line = f"warning: the global batch ({batch}) is larger than the training set"
         print0(f"{line} ({size} samples): one update a pass", file=sys.stderr)
-    if not (args.max_steps or t.steps_per_pass):
+    if not (args.max_steps or size):
         raise failure(
             "error: build_datasets() returned a training stream without a length: "
             "give the run's length in optimizer updates, --max-steps N",
             status=2,
         )
-    epochs = args.epochs * math.ceil((t.steps_per_pass or 0) / args.grad_accum)
-    t.total_updates = args.max_steps or epochs  # updates in the whole run
+    # Optimizer updates in the whole run (a pass's last may have fewer micro-batches).
+    t.total_updates = args.max_steps or args.epochs * math.ceil(size / batch)
     # float16 needs loss scaling against underflowing gradients; otherwise a no-op.
     t.scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
 {{ par.wrap_model() }}
-
-
-def pass_steps(train_set, train_loader, args):
-    """Micro-batches per pass and rank; None for a stream without a length."""
-    if not isinstance(train_set, IterableDataset):
-        return len(train_loader)
-    if not isinstance(train_set, Sized):
-        return None
-    return math.ceil(len(train_set) / (args.batch_size * dist.get_world_size()))
 
 
 def loader_options(data, args, device):
@@ -88,8 +82,7 @@ def build_loader(train_set, args, device, checkpoint):
         train_data = StreamShard(train_set, args, shards, every=args.grad_accum)
         return train_data, StreamLoader(train_data, args, device, lockstep=True)
     common = loader_options(train_set, args, device)
-    shard = DistributedSampler(train_set, shuffle=True, seed=args.seed)
-    train_data = ResumableSampler(shard)
+    train_data = ResumableSampler(train_set, shuffle=True, seed=args.seed)
 {% if cookiecutter.use_batch_sampler %}
     batch_sampler = BatchSampler(train_data, args.batch_size, drop_last=False)
     return train_data, DataLoader(train_set, batch_sampler=batch_sampler, **common)
@@ -129,24 +122,23 @@ def stream_shards(stream, checkpoint, args, say=False):
     return n if n >= world_size else None
 
 
-class ResumableSampler(Sampler):
-    """The shard of a DistributedSampler, from a given position: a run stopped
+class ResumableSampler(DistributedSampler):
+    """A DistributedSampler (this rank's shard), from a given position: a run stopped
     mid-pass resumes with the next batch, without reading the ones already done."""
 
-    def __init__(self, sampler):
-        self.sampler, self.start = sampler, 0
+    start = 0  # this rank's samples of the pass to skip
 
     def set_epoch(self, epoch, samples=0, state=None):
         """Pass `epoch`, after `samples` of it (over all ranks); a sampler needs no
         `state` to get there."""
-        self.sampler.set_epoch(epoch)
-        self.start = samples // self.sampler.num_replicas
+        super().set_epoch(epoch)
+        self.start = samples // self.num_replicas
 
     def __iter__(self):
-        return itertools.islice(self.sampler, self.start, None)
+        return itertools.islice(super().__iter__(), self.start, None)
 
     def __len__(self):
-        return len(self.sampler) - self.start
+        return self.num_samples - self.start
 
 
 class StreamShard(IterableDataset):
@@ -254,14 +246,13 @@ class StreamLoader(DataLoader):
         super().__init__(shard, batch_size=None, **options)
 
     def __iter__(self):
-        shard, parts = self.dataset, super().__iter__()
-        place, batch = shard.start, None
-        while True:
+        shard, parts, batch = self.dataset, super().__iter__(), None
+        # A block at a time; `place`: where it ends, the pass's places done after it.
+        for place in itertools.count(shard.start + shard.width, shard.width):
             got = [next(parts) for _ in range(shard.workers)]
             filled = [part for part, _, _ in got if part is not None]
             more = not all(done for _, done, _ in got)
             states = {c: state for *_, kept in got for c, state in kept.items()}
-            place += shard.width
             if filled:  # (the latest batch stands in where this rank has none)
                 batch = self.collate(filled)
             elif self.lockstep and batch is None:  # none yet: one item to stand in

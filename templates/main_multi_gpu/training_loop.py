@@ -184,7 +184,6 @@ class Training(types.SimpleNamespace):
     - train_data: what places a pass: a ResumableSampler, or a StreamShard
     - train_loader, val_loader: the DataLoaders (StreamLoaders for streams)
     - steps_per_pass: micro-batches per pass and rank (None: a stream's, unknown)
-    - global_batch: samples per optimizer update, over all ranks
     - global_batch, total_updates: samples per optimizer update, over all ranks;
       optimizer updates in the whole run
     - sums: the LossSums of the training since the last evaluation
@@ -301,13 +300,12 @@ def train_pass(t, at, reports):
             at.step, at.epoch_samples, at.stream = at.step + 1, position, state
             if last:  # the pass is done
                 at.epoch, at.epoch_samples, at.stream = at.epoch + 1, 0, None
-            if after_update(t, at, reports, last):
-                return True
-            if last or at.step == args.max_steps:
-                return False
-    if not micro:
-        raise failure("error: build_datasets() returned an empty training stream")
-    return False
+            stop = after_update(t, at, reports, last)
+            if stop or last or at.step == args.max_steps:  # or the pass's or run's end
+                return stop
+    # The pass's last update returns: only an empty stream, which yields nothing, ends
+    # the loop.
+    raise failure("error: build_datasets() returned an empty training stream")
 
 
 def reseed(seed, device):
@@ -341,7 +339,7 @@ def pass_data(t, at):
         yield from t.train_loader  # it says all of that itself (see StreamLoader)
         return
     start, per_step = at.epoch_samples, t.args.batch_size * dist.get_world_size()
-    total = len(t.train_data.sampler) * dist.get_world_size()  # padded to equal shares
+    total = t.train_data.total_size  # the shares padded to equal
     steps = len(t.train_loader)
     for j, batch in enumerate(t.train_loader, 1):
         yield batch, True, min(start + j * per_step, total), j < steps, None
