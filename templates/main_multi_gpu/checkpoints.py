@@ -4,7 +4,6 @@
 def snapshot(t, at):
     """Everything a resume needs: the state at `at`. (Every rank calls it: the loss
     sums since the last evaluation are added up over the ranks.)"""
-    args, world_size = t.args, dist.get_world_size()
     return {
 {{ saving.snapshot_tensors() }}
         "scheduler": packed({k: s and s.state_dict() for k, s in t.schedulers.items()}),
@@ -16,12 +15,12 @@ def snapshot(t, at):
         "stream": stream_states(t, at),
         "stream_shards": getattr(t.train_data, "shards", None),  # see StreamShard
         "train_sums": list(t.sums.totals()),  # loss sum and units, over all ranks
-        "global_batch": [world_size, args.batch_size, args.grad_accum],
+        "global_batch": [dist.get_world_size(), t.args.batch_size, t.args.grad_accum],
         "total_updates": t.total_updates,
 {% if strategy == "best" %}
         "best_val_loss": t.best_val_loss,
 {% endif %}
-        "args": {key: plain(value) for key, value in vars(args).items()},
+        "args": {key: plain(value) for key, value in vars(t.args).items()},
     }
 
 
@@ -74,8 +73,7 @@ def replacing(path, mode):
         reason = getattr(err, "strerror", None) or str(err).strip().splitlines()[0]
         free = shutil.disk_usage(path.parent).free / 2**30
         raise failure(
-            f"error: cannot write {path} ({reason}; {free:.1f} GB free there); "
-            f"{path.name} is left as it was"
+            f"error: cannot write {path} ({reason}; {free:.1f} GB free): left as it was"
         ) from None
 
 
@@ -88,10 +86,9 @@ def by_rank_0(device, task, *args):
     if dist.get_rank() == 0:
         try:
             result = task(*args)
-        except SystemExit:  # it failed, and said so (replacing(), read_bytes())
-            failed.fill_(1)
-        except OSError as err:  # a folder that cannot be made, copied or moved
-            failure(f"error: cannot write {err.filename}: {err.strerror or err}")
+        except (SystemExit, OSError) as err:  # SystemExit: it failed, and said so
+            if isinstance(err, OSError):  # a folder not made, copied or moved
+                failure(f"error: cannot write {err.filename}: {err.strerror or err}")
             failed.fill_(1)
     dist.broadcast(failed, src=0)
     if failed.item():
@@ -102,11 +99,11 @@ def by_rank_0(device, task, *args):
 {{ saving.load_checkpoint() }}
 
 
-def load_shared(path, device, verb):
+def load_shared(path, device, verb, keys=()):
     """The dict saved in `path` (None for no path), on every rank. Rank 0 reads the
     file and sends its bytes to the others, so machines need not share a disk; each
-    rank loads them with weights_only=True. A file that cannot be read or loaded:
-    one line, "error: cannot <verb> <path>: <why>"."""
+    rank loads them with weights_only=True. A file that cannot be read or loaded, or
+    whose dict lacks one of `keys`: one line, "error: cannot <verb> <path>: <why>"."""
     data = broadcast_bytes(by_rank_0(device, read_bytes, path, verb), device)
     if data is None:
         return None
@@ -115,15 +112,17 @@ def load_shared(path, device, verb):
         loaded = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         if not isinstance(loaded, dict):
             raise TypeError(f"it holds a {type(loaded).__name__}, not a dict")
+        if missing := [key for key in keys if key not in loaded]:
+            raise TypeError(f"it lacks {', '.join(missing)}")
     except Exception as err:  # torch.load raises many kinds on a corrupt file
         lines = [line for line in str(err).splitlines() if line.strip()] or [repr(err)]
         # weights_only says why in one of its lines: "unsupported GLOBAL posix.system"
         # (a pickle that would run code: refused), or "Unsupported operand" (no pickle).
-        says = (s for s in lines if "GLOBAL" in s or s.startswith("Unsupported"))
-        cause = next(says, lines[0]).rstrip(".")
-        refused = "GLOBAL" in cause  # a pickle's code, not a broken file
-        why = "refused by weights_only=True" if refused else "not a checkpoint"
-        raise failure(f"error: cannot {verb} {path}: {why} ({cause})") from err
+        telling = (s for s in lines if "GLOBAL" in s or s.startswith("Unsupported"))
+        said = next(telling, lines[0]).rstrip(".")
+        # GLOBAL: a pickle's code, refused (not a broken file)
+        why = "refused by weights_only=True" if "GLOBAL" in said else "not a checkpoint"
+        raise failure(f"error: cannot {verb} {path}: {why} ({said})") from err
     return loaded
 
 
@@ -197,21 +196,20 @@ def settle_global_batch(args, checkpoint, world_size):
         if target % world_size:  # no --batch-size keeps it with these processes
             hint = f"use a number of processes that divides {target}"
         raise failure(
-            f"error: the checkpoint's global batch is {target} ({describe(old)}); "
-            f"{describe(new)} make {math.prod(new)}: {hint}, or pass "
+            f"error: the checkpoint's global batch is {target} ({describe(*old)}); "
+            f"{describe(*new)} make {math.prod(new)}: {hint}, or pass "
             f"--allow-batch-change to go on with {math.prod(new)}",
             status=2,
         )
     if new != old:
         kept = "kept" if math.prod(new) == target else f"changed from {target}"
         print0(
-            f"resume: global batch {math.prod(new)} {kept}: {describe(new)} "
-            f"(the checkpoint had {describe(old)})"
+            f"resume: global batch {math.prod(new)} {kept}: {describe(*new)} "
+            f"(the checkpoint had {describe(*old)})"
         )
 
 
-def describe(global_batch):
-    processes, batch, accum = global_batch
+def describe(processes, batch, accum):
     noun = "process" if processes == 1 else "processes"
     return f"{processes} {noun} x batch {batch} x grad-accum {accum}"
 
@@ -227,8 +225,9 @@ def resume(t, checkpoint, out_dir):
                 f"error: {checkpoint['path']} holds another optimizer or LR schedule "
                 f"than build_optimizer() makes{advice}"
             )
-        # This run's optimizer settings, before the checkpoint's replace them.
-        fresh = {n: [dict(g) for g in o.param_groups] for n, o in t.optimizers.items()}
+        # This run's optimizer settings: load_state_dict() puts the checkpoint's param
+        # groups in their place (new dicts), leaving these as they are.
+        fresh = {name: o.param_groups for name, o in t.optimizers.items()}
 {{ saving.resume_tensors() }}
         for name, (thing, _) in KEPT.items():
             if name not in checkpoint.get("kept", {}):  # saved before keep() was
@@ -247,9 +246,8 @@ def resume(t, checkpoint, out_dir):
         if finished(t.args, at):
             length = "--max-steps" if t.args.max_steps else "--epochs"
             print0(
-                f"resume: the run is done ({at.step} updates, {at.epoch} passes), "
-                f"nothing to train; a larger {length} goes on, --resume never starts "
-                "afresh"
+                f"resume: the run is done ({at.step} updates, {at.epoch} passes); a "
+                f"larger {length} goes on, --resume never starts afresh"
             )
     t.sums = LossSums(t.device, carried if dist.get_rank() == 0 else (0, 0))
     # metrics.csv's rows count updates as the checkpoint did
@@ -262,20 +260,18 @@ def resume_position(t, at, saved_batch):
     step, and a stream without a saved state is read up to it. After a change of the
     global batch (--allow-batch-change), the samples of a step begun are trained
     again, and the updates done are counted in updates of the new global batch."""
-    args, world_size = t.args, dist.get_world_size()
     if isinstance(t.train_data, StreamShard):
-        shards = t.train_data.shards
         if at.epoch_samples and None in at.stream.values():
             again = f"every reader reads its first {at.epoch_samples} items again"
-            if shards:
+            if shards := t.train_data.shards:
                 again = f"each of its {shards} shards is read again, by one reader,"
             line = "resume: the training stream has no state_dict(), so"
             print0(f"{line} {again} to get there")
-    elif again := at.epoch_samples % (args.batch_size * world_size):
+    elif again := at.epoch_samples % (t.args.batch_size * dist.get_world_size()):
         print0(f"resume: {again} samples of this pass are trained again")
         at.epoch_samples -= again
     if t.global_batch != saved_batch and t.steps_per_pass:
-        per_pass = math.ceil(t.steps_per_pass / args.grad_accum)
+        per_pass = math.ceil(t.steps_per_pass / t.args.grad_accum)
         at.step = at.epoch * per_pass + at.epoch_samples // t.global_batch
     elif t.global_batch != saved_batch:  # a stream of unknown length: by samples
         at.step = at.step * saved_batch // t.global_batch
@@ -299,8 +295,7 @@ def restore_schedule(t, checkpoint, done, fresh):
         return
     # Keep the optimizers' statistics (momentum, Adam moments); take the new settings.
     for name, optimizer in t.optimizers.items():
-        for group, settings in zip(optimizer.param_groups, fresh[name], strict=True):
-            group.update(settings)
+        optimizer.param_groups = fresh[name]
     with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()"
         warnings.simplefilter("ignore")
         for scheduler in schedulers.values():

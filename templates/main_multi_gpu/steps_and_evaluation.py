@@ -7,8 +7,7 @@ class LossSums:
         # Two views of one tensor: the loss sum and the units.
         self.loss, self.units = torch.tensor(carried, dtype=torch.float64).to(device)
         self.recent = []  # the losses since the last check(), detached
-        # The pass and the micro-batch of recent[0].
-        self.epoch = self.next_step = 0
+        # train_pass() sets .epoch and .next_step: the pass and micro-batch of recent[0]
 
     def add(self, loss, n):
         self.recent.append(loss.detach())
@@ -17,11 +16,10 @@ class LossSums:
 
     def totals(self, reset=False):
         """(loss sum, units) over all ranks; reset: start counting afresh."""
-        totals = torch.stack([self.loss, self.units])
-        dist.all_reduce(totals)
+        totals = torch.stack([self.loss, self.units])  # a copy
         if reset:
-            self.loss.zero_()
-            self.units.zero_()
+            self.loss, self.units = torch.zeros_like(totals)
+        dist.all_reduce(totals)
         return tuple(totals.tolist())
 
 
@@ -98,7 +96,7 @@ def check(t, reports):
     dist.all_reduce(flags)
     stop, diverged = flags.tolist()
     if diverged:
-        raise diverged_failure(recent, sums.next_step, sums.epoch, t.device)
+        raise diverged_failure(recent, sums.next_step, sums.epoch + 1, t.device)
     if len(recent) and not reports.progress.disable:  # the bar shows the loss
         reports.progress.set_postfix(loss=f"{recent.mean().item():.4f}")
     sums.next_step += len(recent)
@@ -112,21 +110,17 @@ def all_finite(tensors):
 
 def diverged_failure(recent, first_step, epoch, device):
     """The error for a loss or weights that stopped being finite: the first such step
-    over all ranks, with its rank and value."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    over all ranks, with its rank and value. recent[0] is the pass's micro-batch
+    first_step (counted from 0); epoch is the pass's number (from 1)."""
     bad = (~torch.isfinite(recent)).nonzero().flatten().tolist()
-    first = [math.inf, 0.0]  # this rank's: (micro-batch x world_size + rank, loss)
-    if bad:
-        first = [(first_step + bad[0]) * world_size + rank, recent[bad[0]].item()]
-    mine = torch.tensor(first, dtype=torch.float64, device=device)
-    found = [torch.empty_like(mine) for _ in range(world_size)]
-    dist.all_gather(found, mine)
-    first, value = min(f.tolist() for f in found)
-    where = f"the weights stopped being finite in epoch {epoch + 1}"
-    if math.isfinite(first):
-        step, bad_rank = divmod(int(first), world_size)
-        where = f"the loss is {value} in epoch {epoch + 1} at batch {step + 1}"
-        where += f" (rank {bad_rank})"
+    first = (math.inf, dist.get_rank(), 0.0)  # this rank's: (batch, rank, loss)
+    if bad:  # the batch counted from 1, as the line says it
+        first = (first_step + bad[0] + 1, dist.get_rank(), recent[bad[0]].item())
+    # The first over all ranks (the lowest rank's, of those at the same batch)
+    step, rank, value = min(map(pickle.loads, gathered(pickle.dumps(first), device)))
+    where = f"the weights stopped being finite in epoch {epoch}"
+    if math.isfinite(step):
+        where = f"the loss is {value} in epoch {epoch} at batch {step} (rank {rank})"
     return failure(
         f"error: {where}; stopped without saving it. Try a lower --lr, "
         "--clip-grad-norm 1.0, or --amp bf16 instead of fp16"
@@ -180,8 +174,7 @@ def evaluate(model, loader, device):
         raise failure("error: build_datasets() returned an empty validation stream")
     totals = torch.stack([sums.get(name, zero) for name in names])
     dist.all_reduce(totals)  # sum over ranks
-    values = zip(names, totals.tolist(), strict=True)
-    return {name: s / n if n else math.nan for name, (s, n) in values}
+    return {k: s / n if n else math.nan for k, (s, n) in zip(names, totals.tolist())}
 
 
 {% if fsdp %}

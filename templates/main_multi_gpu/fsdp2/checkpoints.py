@@ -83,15 +83,9 @@ def load_checkpoint(resume, last_path, device):
         path = moved_aside
     wanted = resume != "never" and (resume != "auto" or path.exists())
     state = path / "train_state.pt"
-    checkpoint = load_shared(state if wanted else None, device, "resume from")
-    if checkpoint is None:
-        return None
-    if not {"optimizer", "epoch", "global_batch"} <= set(checkpoint):
-        raise failure(
-            f"error: cannot resume from {path}: not a checkpoint of this project (no "
-            "optimizer, epoch and global_batch keys)"
-        )
-    return checkpoint | {"path": str(path)}
+    keys = ["optimizer", "epoch", "global_batch"]  # a checkpoint's, at least
+    checkpoint = load_shared(state if wanted else None, device, "resume from", keys)
+    return None if checkpoint is None else checkpoint | {"path": str(path)}
 
 
 def load_shards(model, optimizer, path, verb, advice=""):
