@@ -214,14 +214,16 @@ class HangWatch:
             lines.append(f"  rank {rank}: {where}  ({kind})")
             if kind != WAITS:
                 stuck.append(str(rank))
-        who = ("rank " if len(stuck) == 1 else "ranks ") + ", ".join(stuck)
         verdict = (
-            f"{who}: no progress outside a collective, while the others wait; "
-            f"see the lines above that start with [rank {stuck[0]}]."
-            if stuck
-            else "every rank waits in a collective: not all in the same one (a rank "
+            "every rank waits in a collective: not all in the same one (a rank "
             "skipped or added one), or the network between them stalled."
         )
+        if stuck:
+            who = ("rank " if len(stuck) == 1 else "ranks ") + ", ".join(stuck)
+            verdict = (
+                f"{who}: no progress outside a collective, while the others wait; "
+                f"see the lines above that start with [rank {stuck[0]}]."
+            )
         head = f"hang: no progress for {self.timeout:g} s (--dist-timeout); where each"
         print("\n".join([f"{head} rank stood:", *lines, verdict]), file=sys.stderr)
 
