@@ -216,23 +216,21 @@ class Trackers:
         config = {key: plain(value) for key, value in vars(args).items()}
         config |= {"world_size": dist.get_world_size(), "global_batch": t.global_batch}
         config["template"] = TEMPLATE
-        # A run gets the configuration once; an attempt that changes it, the change.
+        # A run gets the configuration once; a later attempt, what it changed (MLflow
+        # refuses a changed value).
         old, attempt = self.saved.get("config", {}), self.saved.get("attempts", 0) + 1
-        new = {
-            f"{key} from attempt {attempt} at step {step}": value
-            for key, value in config.items()
-            if old.get(key) != value
-        }
-        self.runs = []
+        changed = {key: value for key, value in config.items() if old.get(key) != value}
+        at = f"from attempt {attempt} at step {step}"
+        self.runs = []  # (log(row, step), end(exit status)) of each
         for name in args.tracker:
             run_id = self.saved.get(name)
+            values = {f"{k} {at}": v for k, v in changed.items()} if run_id else config
             try:  # a server, a login, a file: one line
-                run = TRACKERS[name](run_id, new if run_id else config, out_dir, args)
+                self.saved[name], *run = TRACKERS[name](run_id, values, out_dir, args)
             except Exception as err:  # noqa: BLE001
                 reason = str(err).strip().splitlines()[0]
                 raise failure(f"error: --tracker {name} failed: {reason}") from None
             self.runs.append(run)
-            self.saved[name] = run.id
         self.saved |= {"config": old | config, "attempts": attempt}
         self.save()
 
@@ -245,73 +243,70 @@ class Trackers:
         if step > self.saved.get("step", 0):
             self.saved["step"] = step  # first: a crash can lose a row, never repeat it
             self.save()
-            for run in self.runs:
-                run.log(row, step)
+            for log, _ in self.runs:
+                log(row, step)
 
     def end(self, code):
         """Every run ends with the exit status: 0, 128 + a stop signal, or 1."""
-        for run in self.runs:
-            run.end(code)
+        for _, end in self.runs:
+            end(code)
 
 
-class TensorBoardRun:
-    def __init__(self, run_id, config, out_dir, args):
-        from torch.utils.tensorboard import SummaryWriter
+# Each tracker: its run's id (a new one for None), and how to log and end it.
+def tensorboard_run(run_id, config, out_dir, args):
+    from torch.utils.tensorboard import SummaryWriter
 
-        self.writer, self.id = SummaryWriter(out_dir / "tensorboard"), "tensorboard"
-        self.writer.add_text("config", json.dumps(config, indent=1))
+    writer = SummaryWriter(out_dir / "tensorboard")
+    writer.add_text("config", json.dumps(config, indent=1))
 
-    def log(self, row, step):
+    def log(row, step):
         for key, value in row.items():
-            self.writer.add_scalar(key, value, step)
+            writer.add_scalar(key, value, step)
 
-    def end(self, code):
-        self.writer.close()
+    return "tensorboard", log, lambda code: writer.close()
 
 
-class WandbRun:
-    def __init__(self, run_id, config, out_dir, args):
-        import wandb
+def wandb_run(run_id, config, out_dir, args):
+    import wandb
 
-        settings = wandb.Settings(console="off", silent=True)  # the lines are ours
-        self.wandb, name = wandb, args.run_name or out_dir.name
-        self.run = wandb.init(
-            project=args.experiment,
-            name=name,
-            id=run_id,
-            resume="allow",
-            dir=out_dir,
-            config=config,
-            settings=settings,
-        )
-        self.id, self.log = self.run.id, self.run.log  # log(row, step)
+    run = wandb.init(
+        project=args.experiment,
+        name=args.run_name or out_dir.name,
+        id=run_id,
+        resume="allow",
+        dir=out_dir,
+        config=config,
+        settings=wandb.Settings(console="off", silent=True),  # the lines are ours
+    )
 
-    def end(self, code):
+    def end(code):
         if code > 128:  # stopped by a signal, after a save: preempted
-            self.run.mark_preempting()
-        self.run.finish(exit_code=code)
-        self.wandb.teardown()  # its service process, before stop_children()
+            run.mark_preempting()
+        run.finish(exit_code=code)
+        wandb.teardown()  # its service process, before stop_children()
+
+    return run.id, run.log, end
 
 
-class MLflowRun:
-    def __init__(self, run_id, config, out_dir, args):
-        import mlflow
+def mlflow_run(run_id, config, out_dir, args):
+    import mlflow
 
-        for logger in ("mlflow", "alembic"):  # a new SQLite file's lines
-            logging.getLogger(logger).setLevel(logging.WARNING)
-        mlflow.set_tracking_uri(mlflow_uri(out_dir))
-        if run_id is None:  # a new run (an old one knows its experiment)
-            mlflow.set_experiment(args.experiment)
-        run = mlflow.start_run(run_id, run_name=args.run_name or out_dir.name)
-        mlflow.log_params(config)
-        self.mlflow, self.id, self.log = mlflow, run.info.run_id, mlflow.log_metrics
+    for logger in ("mlflow", "alembic"):  # a new SQLite file's lines
+        logging.getLogger(logger).setLevel(logging.WARNING)
+    mlflow.set_tracking_uri(mlflow_uri(out_dir))
+    if run_id is None:  # a new run (an old one knows its experiment)
+        mlflow.set_experiment(args.experiment)
+    run = mlflow.start_run(run_id, run_name=args.run_name or out_dir.name)
+    mlflow.log_params(config)
 
-    def end(self, code):
+    def end(code):
         status = "FINISHED" if code == 0 else "KILLED" if code > 128 else "FAILED"
-        self.mlflow.end_run(status)
+        mlflow.end_run(status)
+
+    return run.info.run_id, mlflow.log_metrics, end
 
 
-TRACKERS = {"tensorboard": TensorBoardRun, "wandb": WandbRun, "mlflow": MLflowRun}
+TRACKERS = {"tensorboard": tensorboard_run, "wandb": wandb_run, "mlflow": mlflow_run}
 
 
 def mlflow_uri(out_dir):
