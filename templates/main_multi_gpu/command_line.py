@@ -85,9 +85,7 @@ def add_training_arguments(parser):
         "--grad-accum",
     )
     parser.add_argument(
-        "--lr",
-        **real(0.1),
-        help="learning rate (0 trains nothing: a probe of data, evaluation, speed)",
+        "--lr", **real(0.1), help="learning rate (0 trains nothing: a probe)"
     )
     parser.add_argument(
         "--seed",
@@ -97,9 +95,7 @@ def add_training_arguments(parser):
         help="initial weights and data order, the same on every rank",
     )
     parser.add_argument(
-        "--num-workers",
-        **count(2, least=0),
-        help="DataLoader worker processes per training process",
+        "--num-workers", **count(2, least=0), help="DataLoader workers per process"
     )
     # The built-in data's sizes: once build_datasets is yours, delete them.
     parser.add_argument("--train-size", **count(2048), help="built-in training samples")
@@ -134,9 +130,7 @@ def add_training_arguments(parser):
         help="resume with a global batch other than the checkpoint's",
     )
     parser.add_argument(
-        "--clip-grad-norm",
-        **real(above=True),
-        help="clip the gradients' norm to F before each update",
+        "--clip-grad-norm", **real(above=True), help="clip the gradients' norm to F"
     )
 
 
@@ -238,9 +232,7 @@ def add_running_arguments(parser):
         "one was (default: $DIST_TIMEOUT, else 600)",
     )
     parser.add_argument(
-        "--preflight",
-        action="store_true",
-        help="check every rank and the network, print a table, exit without training",
+        "--preflight", action="store_true", help="check ranks and network, then exit"
     )
 {{ launcher.launcher_flags() }}
     parser.add_argument("--local-rank", "--local_rank", help=argparse.SUPPRESS)
