@@ -72,9 +72,8 @@ def replacing(path, mode):
         tmp.unlink(missing_ok=True)
         reason = getattr(err, "strerror", None) or str(err).strip().splitlines()[0]
         free = shutil.disk_usage(path.parent).free / 2**30
-        raise failure(
-            f"error: cannot write {path} ({reason}; {free:.1f} GB free): left as it was"
-        ) from None
+        why = f"{reason}; {free:.1f} GB free"
+        raise failure(f"error: cannot write {path} ({why}): left as it was") from None
 
 
 def by_rank_0(device, task, *args):
@@ -141,10 +140,8 @@ def load_weights(model, weights, path, advice=""):
 {{ saving.load_state() }}
     except (RuntimeError, TypeError) as err:
         reason = str(err).strip().splitlines()[-1].strip()
-        raise failure(
-            f"error: {path} does not fit the model build_model() makes ({reason})"
-            + advice
-        ) from err
+        why = f"does not fit the model build_model() makes ({reason}){advice}"
+        raise failure(f"error: {path} {why}") from err
 
 
 def broadcast_bytes(data, device, src=0):
@@ -221,10 +218,8 @@ def resume(t, checkpoint, out_dir):
     if checkpoint is not None:
         advice = "; start afresh with --resume never or another --output-dir"
         if not same_optimizer(t, checkpoint):  # build_optimizer() changed since
-            raise failure(
-                f"error: {checkpoint['path']} holds another optimizer or LR schedule "
-                f"than build_optimizer() makes{advice}"
-            )
+            other = "another optimizer or LR schedule than build_optimizer() makes"
+            raise failure(f"error: {checkpoint['path']} holds {other}{advice}")
         # This run's optimizer settings: load_state_dict() puts the checkpoint's param
         # groups in their place (new dicts), leaving these as they are.
         fresh = {name: o.param_groups for name, o in t.optimizers.items()}

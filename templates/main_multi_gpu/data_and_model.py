@@ -39,9 +39,7 @@ def build_training(args, device, checkpoint):
         print0(f"{line} ({size} samples): one update a pass", file=sys.stderr)
     if not (args.max_steps or size):
         raise failure(
-            "error: build_datasets() returned a training stream without a length: "
-            "give the run's length in optimizer updates, --max-steps N",
-            status=2,
+            "error: a training stream without a length needs --max-steps N", status=2
         )
     # Optimizer updates in the whole run (a pass's last may have fewer micro-batches).
     t.total_updates = args.max_steps or args.epochs * math.ceil(size / batch)

@@ -88,18 +88,17 @@ def stop_children():
 
 
 def keep_freed_memory(limit=1 << 30):
-    """Linux: let freed tensor memory stay in the process for the next step. glibc
-    hands large freed blocks straight back to the kernel, so every step faulted the
+    """glibc (Linux): let freed tensor memory stay in the process for the next step.
+    It hands large freed blocks straight back to the kernel, so every step faulted the
     same memory in again (a fifth of the step time for the CPU default here)."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None)
-        if hasattr(libc, "mallopt"):  # glibc (other C libraries: absent or a no-op)
-            libc.mallopt(-3, limit)  # M_MMAP_THRESHOLD: larger blocks get their own map
-            libc.mallopt(-1, limit)  # M_TRIM_THRESHOLD: free heap top kept up to this
-        # The same for processes started from here that do not fork (DataLoader
-        # workers under the spawn or forkserver start method): glibc reads these.
-        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(limit))
-        os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(limit))
+    libc = ctypes.CDLL(None)
+    if hasattr(libc, "mallopt"):  # glibc (other C libraries: absent or a no-op)
+        libc.mallopt(-3, limit)  # M_MMAP_THRESHOLD: larger blocks get their own map
+        libc.mallopt(-1, limit)  # M_TRIM_THRESHOLD: free heap top kept up to this
+    # The same for processes started from here that do not fork (DataLoader workers
+    # under the spawn or forkserver start method): glibc reads these.
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(limit))
+    os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(limit))
 
 
 def spare_the_garbage_collector():
@@ -165,7 +164,8 @@ class HangWatch:
                 # If this thread cannot run (a C call holding the GIL), faulthandler
                 # prints every thread's stack and ends the process in its place.
                 faulthandler.dump_traceback_later(self.timeout + 30, exit=True)
-                frame = main_frame()  # the same line, for long: no progress either
+                # The main thread's line: the same one, for long, is no progress either.
+                frame = sys._current_frames()[threading.main_thread().ident]
                 now = (self.beats, frame.f_code, frame.f_lineno)
                 if now != last:
                     last, since = now, time.monotonic()
@@ -179,7 +179,7 @@ class HangWatch:
         """Print this rank's stack, say where it stands, and end the job. Rank 0
         summarizes, and leaves last: it may hold the store the others use."""
         self.reporting = True
-        where, kind = locate(main_frame())
+        where, kind = locate(sys._current_frames()[threading.main_thread().ident])
         print_stacks(self.rank, loader_workers=kind == LOADER)
         try:
             self.store.set(f"where/{self.rank}", f"{kind}\t{where}")
@@ -229,11 +229,6 @@ class HangWatch:
 
 
 WATCH = HangWatch()
-
-
-def main_frame():
-    """The main thread's innermost frame, seen from another thread."""
-    return sys._current_frames()[threading.main_thread().ident]
 
 
 def locate(frame):
@@ -296,11 +291,10 @@ def handles(pid, signum):
 def report_lost_peer(err):
     """This rank's stack, and one line: where it was, and what broke (nothing where
     another rank raised an error: its report says it)."""
-    rank = dist.get_rank()
     with contextlib.suppress(dist.DistError):  # the store may have gone with its host
 {% if spawn %}
         # Rank 0 holds the store: the others cannot ask it once rank 0 has gone.
-        if rank == 0 and WATCH.count("raised"):
+        if WATCH.rank == 0 and WATCH.count("raised"):
 {% else %}
         if WATCH.count("raised"):
 {% endif %}
@@ -308,18 +302,18 @@ def report_lost_peer(err):
 {% if multi and not spawn %}
     elastic = "ELASTIC_ROUND" in os.environ  # NNODES=MIN:MAX: torchrun goes on
     if not elastic:
-        print_stacks(rank, err.__traceback__)
+        print_stacks(WATCH.rank, err.__traceback__)
 {% else %}
-    print_stacks(rank, err.__traceback__)
+    print_stacks(WATCH.rank, err.__traceback__)
 {% endif %}
     ours = [f for f in traceback.extract_tb(err.__traceback__) if in_this_file(f)]
     where = f"{ours[-1].name}, line {ours[-1].lineno}" if ours else "a collective"
     reason = str(err).strip().splitlines()[0].split("] ")[-1].split(". ")[0]
-    line = f"[rank {rank}] error: a collective failed in {where} ({reason}); if "
+    line = f"[rank {WATCH.rank}] error: a collective failed in {where} ({reason}); if "
     line += "another rank ended, the launcher's line names it"
 {% if multi and not spawn %}
     if elastic:
-        line = f"[rank {rank}] elastic: lost a peer in {where} ({reason}); the "
+        line = f"[rank {WATCH.rank}] elastic: lost a peer in {where} ({reason}); the "
         line += "others go on without it, from the last checkpoint"
 {% endif %}
     print(line, file=sys.stderr)
@@ -358,10 +352,10 @@ def report_error(err):
             WATCH.wait_for(lambda: WATCH.count("left") >= WATCH.count("raised") - 1, 5)
 
 
-def returned(function, value, expected):
-    """The error for a value one of the five functions returned that cannot work."""
-    message = f"error: {function} returned {shown(value)}; it must return {expected}"
-    return failure(message)
+def returned(name, value, expected):
+    """The error for a value that cannot work, which `name` (one of the five functions
+    above) returned."""
+    return failure(f"error: {name} returned {shown(value)}; it must return {expected}")
 
 
 def shown(value):
@@ -384,13 +378,5 @@ def quiet_torch_logs(logger, messages):
 def worker_failed(rank, how):
     """A launcher's exit after a worker failed or died (`how`, said in its line)."""
     return failure(f"error: rank {rank} {how}; the other workers were stopped")
-
-
-def abort():
-    """A second Ctrl-C in a launcher: kill the workers (and all below them) at once,
-    say so, and exit."""
-    stop_children()
-    print("aborted: a second Ctrl-C stopped the workers at once", file=sys.stderr)
-    os._exit(128 + signal.SIGINT)
 
 

@@ -91,7 +91,8 @@ def check(t, reports):
     nothing)."""
     sums = t.sums
     recent = torch.stack(sums.recent).float() if sums.recent else sums.loss.new_zeros(0)
-{{ par.local_finite() }}
+{{ par.local_weights() }}
+    finite = torch.stack([each.isfinite().all() for each in (recent, *weights)]).all()
     flags = torch.stack([finite.new_tensor(STOP_SIGNAL is not None), ~finite]).double()
     dist.all_reduce(flags)
     stop, diverged = flags.tolist()
@@ -102,10 +103,6 @@ def check(t, reports):
     sums.next_step += len(recent)
     sums.recent = []
     return stop > 0
-
-
-def all_finite(tensors):
-    return torch.stack([tensor.isfinite().all() for tensor in tensors]).all()
 
 
 def diverged_failure(recent, first_step, epoch, device):
@@ -121,10 +118,8 @@ def diverged_failure(recent, first_step, epoch, device):
     where = f"the weights stopped being finite in epoch {epoch}"
     if math.isfinite(step):
         where = f"the loss is {value} in epoch {epoch} at batch {step} (rank {rank})"
-    return failure(
-        f"error: {where}; stopped without saving it. Try a lower --lr, "
-        "--clip-grad-norm 1.0, or --amp bf16 instead of fp16"
-    )
+    advice = "Try a lower --lr, --clip-grad-norm 1.0, or --amp bf16 instead of fp16"
+    return failure(f"error: {where}; stopped without saving it. {advice}")
 
 
 def stopped(last_path, at, batch_size):

@@ -142,8 +142,8 @@ def check_reduced(ddp_model):
     all-reduce, DDP change 3, averaged the gradients over the ranks)."""
 {%- endmacro %}
 
-{% macro local_finite() %}
-    finite = torch.isfinite(recent).all() & all_finite(t.model.parameters())
+{% macro local_weights() %}
+    weights = t.model.parameters()
 {%- endmacro %}
 
 {% macro evaluate_batches() %}

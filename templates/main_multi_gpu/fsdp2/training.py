@@ -148,9 +148,8 @@ def precision(module, args):
     holds its shard of them, and updates its shard of the parameters)."""
 {%- endmacro %}
 
-{% macro local_finite() %}
-    shards = (p.to_local() for p in t.model.parameters())  # each rank checks its own
-    finite = torch.isfinite(recent).all() & all_finite(shards)
+{% macro local_weights() %}
+    weights = (p.to_local() for p in t.model.parameters())  # each rank checks its own
 {%- endmacro %}
 
 {% macro evaluate_batches() %}

@@ -112,7 +112,8 @@ def main():
         # Ctrl-C reaches the workers too; a SIGTERM sent here alone is passed on.
         stops.append(signum)
         if len(stops) > 1 and signum == signal.SIGINT:
-            abort()
+            sys.stderr.write("aborted: a second Ctrl-C stopped the workers at once\n")
+            stop_now(128 + signum)  # they, and all below them, at once
         for process in multiprocessing.active_children():  # the workers started
             process.terminate()  # SIGTERM: each worker saves, then exits
 

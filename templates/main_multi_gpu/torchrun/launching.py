@@ -48,7 +48,8 @@ def launch(options, timeout, backend):
         if len(stops) == 1:  # torchrun passes it to the workers, which save and stop
             raise SignalException(f"signal {signum}", sigval=signal.Signals(signum))
         if signum == signal.SIGINT:  # a second Ctrl-C: stop the workers at once
-            abort()
+            sys.stderr.write("aborted: a second Ctrl-C stopped the workers at once\n")
+            stop_now(128 + signum)  # they, and all below them, at once
 
     for signum in STOPS:
         signal.signal(signum, on_signal)
