@@ -177,11 +177,6 @@ def add_speed_arguments(parser):
         "bit for bit, somewhat slower",
     )
     parser.add_argument(
-        "--profile-steps",
-        **count(0, least=0),
-        help="write a torch.profiler trace of N steps of rank 0 to DIR/profile",
-    )
-    parser.add_argument(
         "--tracker",
         type=tracker_names,
         default=[],

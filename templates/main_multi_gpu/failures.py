@@ -136,13 +136,10 @@ class HangWatch:
     rank then prints its stack (all threads, and its DataLoader workers'), each line
     starting with [rank N]; one rank prints where each rank stood; all exit 1.
 
-    Progress is a step (beat), or, between steps (torch.compile, a save), a change of
+    Progress is a step (beats), or, between steps (torch.compile, a save), a change of
     the main thread's line. A rank waiting longer than the timeout for another's slow
     work (rank 0 saving a huge checkpoint) counts as stuck too: raise --dist-timeout
     for such jobs. The ranks agree through the store, not a collective."""
-
-    def beat(self):
-        self.beats += 1
 
     def start(self, store, timeout):
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")

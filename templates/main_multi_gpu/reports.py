@@ -3,14 +3,14 @@
 # --------------------------------------------------------------------------------------
 class Reports(contextlib.ExitStack):
     """Everything a run reports besides the training itself: the progress bar, where
-    the time goes, the profiler, metrics.csv, the trackers and the line per
-    evaluation. Every rank times its own steps; rank 0 alone shows and writes. What
-    it starts ends with the `with` block (an ExitStack)."""
+    the time goes, metrics.csv, the trackers and the line per evaluation. Every rank
+    times its own steps; rank 0 alone shows and writes. What it starts ends with the
+    `with` block (an ExitStack)."""
 
     def __init__(self, t, at, out_dir):
         super().__init__()
         self.t, self.out_dir, self.is_main = t, out_dir, dist.get_rank() == 0
-        self.progress = self.profiler = self.trackers = None
+        self.progress = self.trackers = None
         self.start_interval()
         # Every optimizer's steps are timed by hooks, a mark before each and one after:
         # the loop carries no timing code.
@@ -26,11 +26,6 @@ class Reports(contextlib.ExitStack):
             self.trackers = by_rank_0(t.device, Trackers, t, out_dir, at.step)
             if self.trackers:  # ended with the right status however the run ends
                 self.push(lambda error, *_: self.trackers.end(error and 1 or self.code))
-        if self.is_main and (steps := t.args.profile_steps):  # its trace: as it stops
-            schedule = torch.profiler.schedule(wait=1, warmup=1, active=steps, repeat=1)
-            trace = torch.profiler.tensorboard_trace_handler(str(out_dir / "profile"))
-            profiler = torch.profiler.profile(schedule=schedule, on_trace_ready=trace)
-            self.profiler = self.enter_context(profiler)
 
     def mark_update(self, *_):  # before an optimizer's step, and after it
         self.updates.append(self.mark())
@@ -105,13 +100,11 @@ class Reports(contextlib.ExitStack):
                 if item is None:
                     break
                 self.step = self.mark()
-                WATCH.beat()
+                WATCH.beats += 1
                 self.samples, done = self.samples + item[2] - done, item[2]
                 yield item
                 self.step_done()
                 self.progress.update()
-                if self.profiler:
-                    self.profiler.step()
 
     def row(self, at, metrics):
         """An evaluation's row in metrics.csv (and the trackers), and its line: the

@@ -358,13 +358,12 @@ def after_update(t, at, reports, last):
     --save-every, a pass's end, the run's end and a stop signal. Returns True when a
     stop signal asks to stop (after saving)."""
 {% endif %}
-    args = t.args
-    end = last or at.step == args.max_steps
-    evaluating = end or (args.eval_every and at.step % args.eval_every == 0)
-    saving = args.save_every and at.step % args.save_every == 0
+    end = last or at.step == t.args.max_steps
+    evaluating = end or (t.args.eval_every and at.step % t.args.eval_every == 0)
+    saving = t.args.save_every and at.step % t.args.save_every == 0
     if not (evaluating or saving or at.step % LOG_EVERY == 0):
         return False
-    stop = check(t, reports) and not finished(args, at)
+    stop = check(t, reports) and not finished(t.args, at)
     reports.step_done()  # the step ends here: evaluations and saves are not training
 {% if strategy == "best" %}
     names = []  # the checkpoints to write

@@ -148,7 +148,7 @@ def check_reduced(ddp_model):
 
 {% macro evaluate_batches() %}
     for batch in loader:
-        WATCH.beat()
+        WATCH.beats += 1
         metrics = compute_metrics(model, to_device(batch, device))
 {%- endmacro %}
 
