@@ -35,13 +35,13 @@ def train(project, out_dir, *args, nproc=2, env=None):
 
 
 def without_modules(tmp_path, *names):
-    """An environment in which `import NAME` fails as if NAME were not installed."""
+    """An environment in which NAME looks as if it were not installed, to every
+    process: importlib.util.find_spec(NAME) is None, and `import NAME` fails."""
     shim = tmp_path / "shim"
-    for name in names:
-        (shim / name).mkdir(parents=True)
-        (shim / name / "__init__.py").write_text(
-            f"raise ModuleNotFoundError('no {name} (test)', name={name!r})\n"
-        )
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(
+        f"import sys\nsys.modules.update(dict.fromkeys({list(names)!r}))\n"
+    )
     return {"PYTHONPATH": str(shim)}
 
 

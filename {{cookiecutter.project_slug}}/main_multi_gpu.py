@@ -28,7 +28,7 @@ The README's "Maintaining the template" says how to check a change against every
 {% include "main_multi_gpu/steps_and_evaluation.py" %}
 {# Checkpoints and resuming #}
 {% include "main_multi_gpu/checkpoints.py" %}
-{# Reports: progress, metrics.csv, the time per epoch, preflight #}
+{# Reports: progress, metrics.csv, the time per epoch, the trackers, preflight #}
 {% include "main_multi_gpu/reports.py" %}
 {# The command line #}
 {% include "main_multi_gpu/command_line.py" %}

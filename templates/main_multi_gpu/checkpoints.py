@@ -220,9 +220,8 @@ def resume(t, checkpoint, out_dir):
         if not same_optimizer(t, checkpoint):  # build_optimizer() changed since
             other = "another optimizer or LR schedule than build_optimizer() makes"
             raise failure(f"error: {checkpoint['path']} holds {other}{advice}")
-        # This run's optimizer settings: load_state_dict() puts the checkpoint's param
-        # groups in their place (new dicts), leaving these as they are.
-        fresh = {name: o.param_groups for name, o in t.optimizers.items()}
+        # This run's optimizer settings, before the checkpoint's replace them.
+        fresh = {n: [dict(g) for g in o.param_groups] for n, o in t.optimizers.items()}
 {{ saving.resume_tensors() }}
         for name, (thing, _) in KEPT.items():
             if name not in checkpoint.get("kept", {}):  # saved before keep() was
@@ -290,7 +289,8 @@ def restore_schedule(t, checkpoint, done, fresh):
         return
     # Keep the optimizers' statistics (momentum, Adam moments); take the new settings.
     for name, optimizer in t.optimizers.items():
-        optimizer.param_groups = fresh[name]
+        for group, settings in zip(optimizer.param_groups, fresh[name], strict=True):
+            group.update(settings)
     with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()"
         warnings.simplefilter("ignore")
         for scheduler in schedulers.values():

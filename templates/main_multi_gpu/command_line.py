@@ -85,7 +85,7 @@ def add_training_arguments(parser):
         "--grad-accum",
     )
     parser.add_argument(
-        "--lr", **real(0.1), help="learning rate (0 trains nothing: a probe)"
+        "--lr", **real(0.1), help="learning rate (0: every step runs, no weight moves)"
     )
     parser.add_argument(
         "--seed",
@@ -204,11 +204,9 @@ def tracker_names(text):
         if name not in TRACKERS:
             choices = ", ".join(TRACKERS)
             raise argparse.ArgumentTypeError(f"{name!r} is not one of {choices}")
-        try:
-            importlib.import_module(name)
-        except ImportError:
+        if importlib.util.find_spec(name) is None:  # (found, not imported: rank 0's)
             line = f"error: --tracker {name} needs {name}: pip install {name}"
-            raise failure(line, status=2) from None
+            raise failure(line, status=2)
     return names
 
 

@@ -121,8 +121,9 @@ def stream_shards(stream, checkpoint, args, say=False):
 
 
 class ResumableSampler(DistributedSampler):
-    """A DistributedSampler (this rank's shard), from a given position: a run stopped
-    mid-pass resumes with the next batch, without reading the ones already done."""
+    """DDP change 2: a DistributedSampler (this rank's shard of each pass), from a
+    given position: a run stopped mid-pass resumes with the next batch, without
+    reading the ones already done."""
 
     start = 0  # this rank's samples of the pass to skip
 

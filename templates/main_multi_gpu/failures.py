@@ -141,11 +141,13 @@ class HangWatch:
     work (rank 0 saving a huge checkpoint) counts as stuck too: raise --dist-timeout
     for such jobs. The ranks agree through the store, not a collective."""
 
+    beats, reporting = 0, False  # (also before start(): this file imported elsewhere)
+
     def start(self, store, timeout):
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self.store, self.timeout = dist.PrefixStore(f"hang/{restart}", store), timeout
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.beats, self.done, self.reporting = 0, threading.Event(), False
+        self.done = threading.Event()
         self.thread = threading.Thread(target=self.watch, name="watch", daemon=True)
         self.thread.start()
 

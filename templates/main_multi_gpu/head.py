@@ -14,7 +14,7 @@ import ctypes
 import faulthandler
 import functools
 import gc
-import importlib
+import importlib.util
 import io
 import itertools
 import json

@@ -1,5 +1,5 @@
 # --------------------------------------------------------------------------------------
-# Reports: progress, metrics.csv, the time per epoch, preflight
+# Reports: progress, metrics.csv, the time per epoch, the trackers, preflight
 # --------------------------------------------------------------------------------------
 class Reports(contextlib.ExitStack):
     """Everything a run reports besides the training itself: the progress bar, where
@@ -10,8 +10,8 @@ class Reports(contextlib.ExitStack):
     def __init__(self, t, at, out_dir):
         super().__init__()
         self.t, self.out_dir, self.is_main = t, out_dir, dist.get_rank() == 0
-        self.progress = self.trackers = None
-        self.start_interval()
+        # The exit status the trackers get: a stop sets it.
+        self.progress, self.trackers, self.code = None, None, 0
         # Every optimizer's steps are timed by hooks, a mark before each and one after:
         # the loop carries no timing code.
         for optimizer in t.optimizers.values():
@@ -21,11 +21,11 @@ class Reports(contextlib.ExitStack):
         self.memory_shown = False
         self.callback(optimizer.register_step_post_hook(self.show_memory).remove)
 {% endif %}
-        self.code = 0  # the exit status, for the trackers: a stop sets it
         if t.args.tracker:  # rank 0's; the others wait: a failure there ends them too
             self.trackers = by_rank_0(t.device, Trackers, t, out_dir, at.step)
             if self.trackers:  # ended with the right status however the run ends
-                self.push(lambda error, *_: self.trackers.end(error and 1 or self.code))
+                self.push(lambda err, *_: self.trackers.end(1 if err else self.code))
+        self.start_interval()  # (after the trackers' start: it is not training)
 
     def mark_update(self, *_):  # before an optimizer's step, and after it
         self.updates.append(self.mark())
@@ -221,7 +221,8 @@ class Trackers:
             try:  # a server, a login, a file: one line
                 self.saved[name], *run = TRACKERS[name](run_id, values, out_dir, args)
             except Exception as err:  # noqa: BLE001
-                reason = str(err).strip().splitlines()[0]
+                self.end(1)  # those started
+                reason = (str(err).strip() or repr(err)).splitlines()[0]
                 raise failure(f"error: --tracker {name} failed: {reason}") from None
             self.runs.append(run)
         self.saved |= {"config": old | config, "attempts": attempt}

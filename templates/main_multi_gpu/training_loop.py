@@ -303,8 +303,8 @@ def train_pass(t, at, reports):
             stop = after_update(t, at, reports, last)
             if stop or last or at.step == args.max_steps:  # or the pass's or run's end
                 return stop
-    # The pass's last update returns: only an empty stream, which yields nothing, ends
-    # the loop.
+    # Every pass with items returns above, at its last update: only an empty stream
+    # gets here.
     raise failure("error: build_datasets() returned an empty training stream")
 
 
