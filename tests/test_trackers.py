@@ -125,6 +125,16 @@ def test_mlflow_failed_status_on_an_error(project, tmp_path):
     assert run.info.status == "FAILED" and steps_of(history) == [1]
 
 
+def test_mlflow_failed_status_when_the_final_save_fails(project, tmp_path):
+    """Every step trained and logged, then model_final.pt cannot be written (a folder
+    stands where its temporary file goes): the run ends as FAILED, not FINISHED."""
+    (tmp_path / "model_final.pt.tmp").mkdir()
+    output = train(project, tmp_path, 2, *ARGS, "--tracker", "mlflow", expect=1)
+    assert f"error: cannot write {tmp_path / 'model_final.pt'}" in output
+    [(run, history, _)] = mlflow_runs(tmp_path)
+    assert run.info.status == "FAILED" and steps_of(history) == STEPS
+
+
 def test_wandb_offline_keeps_its_run_id_across_a_restart(
     project, tmp_path, monkeypatch
 ):

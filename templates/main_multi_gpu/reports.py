@@ -311,8 +311,7 @@ def mlflow_uri(out_dir):
 
 def report_outputs(out_dir, trackers):
     """One line at the end: where the results are, and how to look at them."""
-    parts = [f"weights {out_dir / 'model_final.pt'}"]
-    parts.append(f"metrics {out_dir / 'metrics.csv'}")
+    parts = [f"weights {out_dir}/model_final.pt", f"metrics {out_dir}/metrics.csv"]
     views = {
         "tensorboard": f"tensorboard --logdir {out_dir / 'tensorboard'}",
         "mlflow": f"mlflow ui --backend-store-uri {mlflow_uri(out_dir)}",

@@ -235,9 +235,12 @@ def train(args, device):
             if train_pass(t, at, reports):  # a stop signal: saved, so stop
                 reports.code = stopped(last_path, at, args.batch_size)
                 return reports.code
-{{ saving.final_weights() }}
-    evaluated = {k: e.state_dict() for k, (_, e) in KEPT.items() if e is t.evaluated}
-    by_rank_0(device, save_final, weights, evaluated, out_dir, args.tracker)
+        # (The final save inside: a failed one ends the tracker runs as failed.)
+{{ saving.final_weights() | indent(4, first=True) }}
+        evaluated = {
+            k: e.state_dict() for k, (_, e) in KEPT.items() if e is t.evaluated
+        }
+        by_rank_0(device, save_final, weights, evaluated, out_dir, args.tracker)
     return 0
 
 
