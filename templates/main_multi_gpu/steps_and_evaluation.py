@@ -1,24 +1,29 @@
 class LossSums:
     """This rank's training loss since the last evaluation, summed over units, and
-    the units, on the device (no sync per step); and the losses since the last
-    check(), to name the step where one stopped being finite."""
+    the units, on the device; and each micro-batch's (loss, n) since the last check(),
+    which adds them up, all at once: no work a step."""
 
     def __init__(self, device, carried=(0.0, 0.0)):
-        # Two views of one tensor: the loss sum and the units.
-        self.loss, self.units = torch.tensor(carried, dtype=torch.float64).to(device)
-        self.recent = []  # the losses since the last check(), detached
+        self.sums = torch.tensor(carried, dtype=torch.float64).to(device)  # loss, units
+        self.recent = []  # (loss detached, n) since the last fold(): train_pass's
         # train_pass() sets .epoch and .next_step: the pass and micro-batch of recent[0]
 
-    def add(self, loss, n):
-        self.recent.append(loss.detach())
-        self.loss.add_(self.recent[-1], alpha=n)  # in float64: one kernel
-        self.units += n
+    def fold(self):
+        """Add the recent micro-batches to the sums; return their losses (float32)."""
+        if not self.recent:
+            return self.sums.new_zeros(0, dtype=torch.float32)
+        loss, ns = zip(*self.recent)
+        self.recent, loss = [], torch.stack(loss).double()  # each micro-batch's
+        units = torch.as_tensor(ns, dtype=loss.dtype, device=loss.device)
+        self.sums += torch.stack([loss @ units, units.sum()])
+        return loss.float()
 
     def totals(self, reset=False):
         """(loss sum, units) over all ranks; reset: start counting afresh."""
-        totals = torch.stack([self.loss, self.units])  # a copy
+        self.fold()
+        totals = self.sums.clone()
         if reset:
-            self.loss, self.units = torch.zeros_like(totals)
+            self.sums.zero_()
         dist.all_reduce(totals)
         return tuple(totals.tolist())
 
@@ -26,11 +31,12 @@ class LossSums:
 class Step(nn.Module):
     """{{ par.step_host }}: the model, and a training step (compute_loss) as
     the forward pass, so that {{ par.step_sees }} every parameter a step uses; and `units`,
-    a parameter, zero: each micro-batch adds its column 0's sum times n to its loss,
-    and an update's last its column 1's sum where this rank has items after it of a
-    stream read by shard (`more`), so the gradients' reduction brings the mean n and
-    the mean `more` per rank (in each row: one per rank, so that FSDP2 shards it
-    evenly)."""
+    a parameter, zero, whose sum each micro-batch adds to its loss (so its gradient is
+    the loss's weight, n / batch size), and an update's last its column 1's sum again
+    where this rank has items after it of a stream read by shard (`more`): the
+    gradients' reduction brings the mean weight per rank, and in column 1 more than in
+    column 0 where any rank has more (in each row: one per rank, so that FSDP2 shards
+    it evenly)."""
 
     def __init__(self, model):
         super().__init__()
@@ -45,8 +51,7 @@ class Step(nn.Module):
             expected = "(loss, n): the mean loss over n units, a tensor of shape ()"
             raise returned("compute_loss", out, expected)
         n = n if real else 0  # a stand-in batch at a stream's end weighs nothing
-        counted = self.units[:, 0].sum() * n  # column 1's: only where `more` (rare)
-        return loss, n, counted + self.units[:, 1].sum() if more else counted
+        return loss, n, self.units.sum(), self.units[:, 1].sum() if more else None
 {% if fsdp %}
 
     def metrics(self, batch):
@@ -60,26 +65,27 @@ def update(t, turn):
     args, names = t.args, turn or tuple(t.optimizers)  # the turn's, or all
     optimizers = [t.optimizers[name] for name in names]
     params = [p for o in optimizers for g in o.param_groups for p in g["params"]]
-    # The gradients are of loss sums, averaged over ranks: divide them by the mean
-    # units per rank (over all ranks), so that every update follows the mean loss
-    # over all units of the global batch, for any processes and --grad-accum.
-    # Row 0: the mean units, and > 0 where some rank has stream items after this update
+    # The gradients are of losses weighted by n / batch size, averaged over ranks:
+    # divide them by the mean weight per rank (over all ranks), so that every update
+    # follows the mean loss over all units of the global batch, for any processes and
+    # --grad-accum. Row 0: the mean weight, in column 1 more where some rank has stream
+    # items after this update.
 {% if fsdp %}
     t.units = units = t.sharded.units.grad.to_local()  # reduce-scattered: its row
 {% else %}
     t.units = units = t.ddp_model.module.units.grad  # every row alike (train_pass)
 {% endif %}
-    units = units[0, 0].double().clamp(min=1 / dist.get_world_size())  # 0 / 0: 0
     for optimizer in optimizers:  # --amp fp16: the true gradients, for clipping
         t.scaler.unscale_(optimizer)
     grads = [p.grad for p in params if p.grad is not None]
-    torch._foreach_mul_(grads, args.batch_size / units)
+    torch._foreach_div_(grads, units.min().clamp(min=1e-12))  # column 0's; 0 / 0: 0
     if args.clip_grad_norm:
         nn.utils.clip_grad_norm_(params, args.clip_grad_norm)
     for optimizer in optimizers:
         t.scaler.step(optimizer)  # skipped when fp16 gradients overflowed
     t.scaler.update()
-    t.{{ par.step }}.zero_grad(set_to_none=True)  # a turn's loss reaches others' too
+    for param in t.trained:  # every one: a turn's loss reaches others' too
+        param.grad = None  # (faster than zero_grad(), which walks every module)
     for scheduler in filter(None, map(t.schedulers.get, names)):  # those not None
         scheduler.step()
 
@@ -90,7 +96,7 @@ def check(t, reports):
     True), or saw a loss or weights that are not finite (then the run stops, saving
     nothing)."""
     sums = t.sums
-    recent = torch.stack(sums.recent).float() if sums.recent else sums.loss.new_zeros(0)
+    recent = sums.fold()  # this rank's losses since the last check
 {{ par.local_weights() }}
     finite = torch.stack([each.isfinite().all() for each in (recent, *weights)]).all()
     flags = torch.stack([finite.new_tensor(STOP_SIGNAL is not None), ~finite]).double()
@@ -101,7 +107,6 @@ def check(t, reports):
     if len(recent) and not reports.progress.disable:  # the bar shows the loss
         reports.progress.set_postfix(loss=f"{recent.mean().item():.4f}")
     sums.next_step += len(recent)
-    sums.recent = []
     return stop > 0
 
 

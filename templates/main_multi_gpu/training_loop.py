@@ -187,6 +187,7 @@ class Training(types.SimpleNamespace):
     - global_batch, total_updates: samples per optimizer update, over all ranks;
       optimizer updates in the whole run
     - sums: the LossSums of the training since the last evaluation
+    - trained: every parameter of the Step, whose gradients update() clears
 {% if strategy == "best" %}
     - best_val_loss: the lowest validation loss so far
 {% endif %}
@@ -292,14 +293,14 @@ def train_pass(t, at, reports):
                 end = sync and i == len(held)  # the update's last micro-batch
                 loss, n = backward(t, batch, real, turn, end, end and apart and more)
                 if turn == turns[0]:  # train_loss is the first turn's
-                    t.sums.add(loss, n)
+                    t.sums.recent.append((loss.detach(), n))  # see LossSums
             if sync:
                 update(t, turn)
         held = []
         if sync:
             # Where this rank's stream shards ran out: has any rank's not? The news
             # came with the gradients (see Step): a wait here, at a pass's end only.
-            last = not (more or apart and t.units[0, 1].item())
+            last = not (more or apart and (t.units[0, 1] > t.units[0, 0]).item())
             at.step, at.epoch_samples, at.stream = at.step + 1, position, state
             if last:  # the pass is done
                 at.epoch, at.epoch_samples, at.stream = at.epoch + 1, 0, None
@@ -323,7 +324,7 @@ def backward(t, batch, real, turn, sync, more):
     """One micro-batch's forward and backward pass (sync: the update's last, whose
     gradients are averaged over the ranks; more: it is, and this rank has items of a
     stream read by shard after it). Returns its loss and units."""
-    args, device = t.args, t.device
+    args, device, amp = t.args, t.device, AMP_DTYPES[t.args.amp]  # amp: None or a dtype
 {{ par.train_step() }}
     return loss, n
 

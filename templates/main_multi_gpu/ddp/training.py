@@ -3,10 +3,10 @@
    (`{{ par.train_step() }}`), in the order the generated file uses them; fsdp2/
    defines the same names. A macro's text is exactly the lines it stands for: its
    last newline comes from the line that calls it. #}
-{# Names the section files use: the module train_pass() calls train(), the Step
-   module that holds the model, and where it sits. #}
-{% set wrapper, step, step_host, step_sees = (
-    "ddp_model", "ddp_model.module", "The module DDP wraps", "DDP sees"
+{# Names the section files use: the module train_pass() calls train(), and where
+   the Step module that holds the model sits. #}
+{% set wrapper, step_host, step_sees = (
+    "ddp_model", "The module DDP wraps", "DDP sees"
 ) %}
 
 {% macro intro() %}
@@ -51,12 +51,14 @@ CHANNELS_LAST = True  # on GPUs, 2-D convolutions in NHWC: faster
     # DDP change 3: the gradient all-reduce runs in the backward pass of the last
     # micro-batch of each update only; no_sync() skips it for the others.
     with contextlib.nullcontext() if sync else t.ddp_model.no_sync():
-        with torch.autocast(device.type, AMP_DTYPES[args.amp], args.amp != "none"):
-            loss, n, counted = t.ddp_model(batch, real, turn, more)  # see Step
+        # Without --amp no autocast context at all: a disabled one costs time too
+        with torch.autocast(device.type, amp) if amp else contextlib.nullcontext():
+            loss, n, units, ahead = t.ddp_model(batch, real, turn, more)  # see Step
         # The loss summed over the batch's n units, at the usual scale (n / batch
-        # size is 1 for a per-sample loss); update() divides by the global units,
-        # which the all-reduce brings with the gradients (`counted`: zero).
-        (t.scaler.scale(loss * (n / args.batch_size)) + counted).backward()
+        # size is 1 for a per-sample loss); update() divides by the mean weight, which
+        # the all-reduce brings with the gradients (`units`, `ahead`: zero).
+        total = (t.scaler.scale(loss) + units) * (n / args.batch_size)
+        (total if ahead is None else total + ahead).backward()
     if sync:
         check_reduced(t.ddp_model)
 {%- endmacro %}
@@ -113,6 +115,7 @@ CHANNELS_LAST = True  # on GPUs, 2-D convolutions in NHWC: faster
     # argument, which older versions need.)
     t.ddp_model.broadcast_buffers = dist.get_world_size() > 1
 {% endif %}
+    t.trained = list(t.ddp_model.parameters())  # the model's, and the Step's units
     # What evaluation, --evaluate and the final weights use: the model, or what
     # build_optimizer() named with keep(..., evaluate=) (an EMA's average).
     t.evaluated = next((e for _, e in KEPT.values() if e is not None), model)

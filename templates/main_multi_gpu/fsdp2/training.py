@@ -3,10 +3,10 @@
    (`{{ par.train_step() }}`), in the order the generated file uses them; ddp/
    defines the same names. A macro's text is exactly the lines it stands for: its
    last newline comes from the line that calls it. #}
-{# Names the section files use: the module train_pass() calls train(), the Step
-   module that holds the model, and where it sits. #}
-{% set wrapper, step, step_host, step_sees = (
-    "train_model", "sharded", "The root of the sharding", "FSDP2 sees"
+{# Names the section files use: the module train_pass() calls train(), and where
+   the Step module that holds the model sits. #}
+{% set wrapper, step_host, step_sees = (
+    "train_model", "The root of the sharding", "FSDP2 sees"
 ) %}
 
 {% macro intro() %}
@@ -55,12 +55,14 @@ RANK_0_WRITES_REPLICAS = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
     # DDP change 3 (FSDP2): gradients are reduce-scattered over the ranks in the
     # backward pass of the last micro-batch of each update only.
     t.sharded.set_requires_gradient_sync(sync)
-    with torch.autocast(device.type, AMP_DTYPES[args.amp], args.amp != "none"):
-        loss, n, counted = t.train_model(batch, real, turn, more)  # see Step
+    # Without --amp no autocast context at all: a disabled one costs time too
+    with torch.autocast(device.type, amp) if amp else contextlib.nullcontext():
+        loss, n, units, ahead = t.train_model(batch, real, turn, more)  # see Step
     # The loss summed over the batch's n units, at the usual scale (n / batch size is
-    # 1 for a per-sample loss); update() divides by the global units, which the
-    # reduce-scatter brings with the gradients (`counted`: zero).
-    (t.scaler.scale(loss * (n / args.batch_size)) + counted).backward()
+    # 1 for a per-sample loss); update() divides by the mean weight, which the
+    # reduce-scatter brings with the gradients (`units`, `ahead`: zero).
+    total = (t.scaler.scale(loss) + units) * (n / args.batch_size)
+    (total if ahead is None else total + ahead).backward()
 {%- endmacro %}
 
 {% macro evaluation_comment() %}
@@ -78,6 +80,7 @@ RANK_0_WRITES_REPLICAS = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
     t.sharded = t.evaluated = build_sharded(args, device)
     t.train_model = torch.compile(t.sharded) if args.compile else t.sharded
     t.model = t.sharded.model
+    t.trained = list(t.sharded.parameters())  # the model's, and the Step's units
     t.optimizers, t.schedulers = named(build_optimizer(t.model, args, t.total_updates))
     if any(evaluate is not None for _, evaluate in KEPT.values()):
         raise failure("error: keep(..., evaluate=) needs parallelism=ddp", status=2)
@@ -98,8 +101,8 @@ def build_sharded(args, device):
     sends it, a tensor at a time, into every rank's shards.
 
     Returns the model in a Step, the root, whose group also holds the model's own
-    parameters (those in no block), in float32: the units' gradients are whole
-    numbers. Its metrics() runs as a forward pass too (for evaluation)."""
+    parameters (those in no block), in float32, as the units' gradients need. Its
+    metrics() runs as a forward pass too (for evaluation)."""
     whole = build_model(args) if dist.get_rank() == 0 else None
     with torch.device("meta"):
         sharded = Step(build_model(args))
