@@ -38,9 +38,8 @@ def build_training(args, device, checkpoint):
         line = f"warning: the global batch ({batch}) is larger than the training set"
         print0(f"{line} ({size} samples): one update a pass", file=sys.stderr)
     if not (args.max_steps or size):
-        raise failure(
-            "error: a training stream without a length needs --max-steps N", status=2
-        )
+        line = "error: a training stream without a length needs --max-steps N"
+        raise failure(line, status=2)
     # Optimizer updates in the whole run (a pass's last may have fewer micro-batches).
     t.total_updates = args.max_steps or args.epochs * math.ceil(size / batch)
     # float16 needs loss scaling against underflowing gradients; otherwise a no-op.

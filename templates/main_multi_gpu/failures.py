@@ -213,16 +213,12 @@ class HangWatch:
             lines.append(f"  rank {rank}: {where}  ({kind})")
             if kind != WAITS:
                 stuck.append(str(rank))
-        verdict = (
-            "every rank waits in a collective: not all in the same one (a rank "
-            "skipped or added one), or the network between them stalled."
-        )
+        verdict = "every rank waits in a collective: not all in the same one (a rank "
+        verdict += "skipped or added one), or the network between them stalled."
         if stuck:
             who = ("rank " if len(stuck) == 1 else "ranks ") + ", ".join(stuck)
-            verdict = (
-                f"{who}: no progress outside a collective, while the others wait; "
-                f"see the lines above that start with [rank {stuck[0]}]."
-            )
+            verdict = f"{who}: no progress outside a collective, while the others "
+            verdict += f"wait; see the lines above that start with [rank {stuck[0]}]."
         head = f"hang: no progress for {self.timeout:g} s (--dist-timeout); where each"
         print("\n".join([f"{head} rank stood:", *lines, verdict]), file=sys.stderr)
 
@@ -237,13 +233,13 @@ def locate(frame):
     below = " ".join(entry.filename for entry in stack[stack.index(inner) + 1 :])
     # On GPUs, a wait of this file's (.item()) for a collective queued before.
     host_sync = not below and inner.name in HOST_SYNCS
+    where = f"{inner.name}, line {inner.lineno}: {inner.line}"
     if "torch/utils/data" in below:
-        kind = LOADER
-    elif host_sync or any(part in below for part in COLLECTIVES):
-        kind = WAITS  # or in a collective, DDP's forward, the gradient all-reduce
-    else:
-        kind = "busy outside any collective"
-    return f"{inner.name}, line {inner.lineno}: {inner.line}", kind
+        return where, LOADER
+    # Waits too: in a collective, DDP's forward, the gradient all-reduce.
+    if host_sync or any(part in below for part in COLLECTIVES):
+        return where, WAITS
+    return where, "busy outside any collective"
 
 
 def in_this_file(entry):

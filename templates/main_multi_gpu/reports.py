@@ -188,13 +188,6 @@ def write_metrics(path, rows):
         )
 
 
-TEMPLATE = (  # the answers this file was generated with: tracker runs keep them
-    "nodes={{ cookiecutter.nodes }} launcher={{ cookiecutter.launcher }} parallelism={{ cookiecutter.parallelism }} "
-    "use_batch_sampler={{ cookiecutter.use_batch_sampler }} sync_bn={{ cookiecutter.sync_bn }} "
-    "save_strategy={{ cookiecutter.save_strategy }} scheduler={{ cookiecutter.scheduler }}"
-)
-
-
 class Trackers:
     """Rank 0's experiment trackers (--tracker): one tracker run per output folder.
     DIR/trackers.json keeps the runs' ids, so that a resume, a requeue, an elastic
@@ -208,7 +201,10 @@ class Trackers:
         self.saved = {} if fresh else json.loads(self.path.read_text())
         config = {key: plain(value) for key, value in vars(args).items()}
         config |= {"world_size": dist.get_world_size(), "global_batch": t.global_batch}
-        config["template"] = TEMPLATE
+        config["template"] = (  # the answers this file was generated with
+            "nodes={{ cookiecutter.nodes }} launcher={{ cookiecutter.launcher }} parallelism={{ cookiecutter.parallelism }} use_batch_sampler={{ cookiecutter.use_batch_sampler }} "
+            "sync_bn={{ cookiecutter.sync_bn }} save_strategy={{ cookiecutter.save_strategy }} scheduler={{ cookiecutter.scheduler }}"
+        )
         # A run gets the configuration once; a later attempt, what it changed (MLflow
         # refuses a changed value).
         old, attempt = self.saved.get("config", {}), self.saved.get("attempts", 0) + 1
@@ -294,8 +290,7 @@ def mlflow_run(run_id, config, out_dir, args):
     mlflow.log_params(config)
 
     def end(code):
-        status = "FINISHED" if code == 0 else "KILLED" if code > 128 else "FAILED"
-        mlflow.end_run(status)
+        mlflow.end_run("KILLED" if code > 128 else "FAILED" if code else "FINISHED")
 
     return run.info.run_id, mlflow.log_metrics, end
 

@@ -10,11 +10,7 @@
         help="processes on this machine (default: one per GPU, or 2 on CPU)",
     )
 {% if multi %}
-    parser.add_argument(
-        "--nnodes",
-        **count(1),
-        help="machines taking part",
-    )
+    parser.add_argument("--nnodes", **count(1), help="machines taking part")
     parser.add_argument(
         "--node-rank",
         **count(0, least=0),
