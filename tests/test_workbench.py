@@ -340,12 +340,8 @@ def test_token_weighting_is_what_makes_dict_batches_scale(tmp_path):
     """The control for the test above: averaging each rank's per-token mean instead
     (the usual DDP loop) makes 2 x 4 differ from 1 x 8."""
     project = adapted(tmp_path, "tokens", TOKENS)
-    edit(project, "loss * (n / args.batch_size)", "loss")
-    edit(
-        project,
-        "args.batch_size / units",
-        "torch.tensor(1.0, dtype=torch.float64)",
-    )
+    # Each micro-batch weighs 1, not n / batch size: the units' mean is 1 too.
+    edit(project, "total = total * (n / args.batch_size)", "pass")
     args = ["--epochs", "2"]
     train(project, tmp_path / "w2", 2, *args, "--batch-size", "4")
     train(project, tmp_path / "w1", 1, *args, "--batch-size", "8")

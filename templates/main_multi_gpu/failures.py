@@ -213,12 +213,12 @@ class HangWatch:
             lines.append(f"  rank {rank}: {where}  ({kind})")
             if kind != WAITS:
                 stuck.append(str(rank))
-        verdict = "every rank waits in a collective: not all in the same one (a rank "
-        verdict += "skipped or added one), or the network between them stalled."
+        verdict = "every rank waits in a collective: not all in the same one "
+        verdict += "(a rank skipped or added one), or the network between them stalled."
         if stuck:
             who = ("rank " if len(stuck) == 1 else "ranks ") + ", ".join(stuck)
-            verdict = f"{who}: no progress outside a collective, while the others "
-            verdict += f"wait; see the lines above that start with [rank {stuck[0]}]."
+            verdict = f"{who}: no progress outside a collective, while the others wait;"
+            verdict += f" see the lines above that start with [rank {stuck[0]}]."
         head = f"hang: no progress for {self.timeout:g} s (--dist-timeout); where each"
         print("\n".join([f"{head} rank stood:", *lines, verdict]), file=sys.stderr)
 

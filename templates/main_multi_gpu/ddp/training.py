@@ -54,10 +54,12 @@ CHANNELS_LAST = True  # on GPUs, 2-D convolutions in NHWC: faster
         # Without --amp no autocast context at all: a disabled one costs time too
         with torch.autocast(device.type, amp) if amp else contextlib.nullcontext():
             loss, n, units, ahead = t.ddp_model(batch, real, turn, more)  # see Step
-        # The loss summed over the batch's n units, at the usual scale (n / batch
-        # size is 1 for a per-sample loss); update() divides by the mean weight, which
-        # the all-reduce brings with the gradients (`units`, `ahead`: zero).
-        total = (t.scaler.scale(loss) + units) * (n / args.batch_size)
+        # The loss summed over the batch's n units, at the usual scale (times n / batch
+        # size, left out where that is 1: a per-sample loss); update() divides by the
+        # mean weight, which the gradients' reduction brings (`units`, `ahead`: zero).
+        total = t.scaler.scale(loss) + units
+        if torch.is_tensor(n) or n != args.batch_size:
+            total = total * (n / args.batch_size)
         (total if ahead is None else total + ahead).backward()
     if sync:
         check_reduced(t.ddp_model)
