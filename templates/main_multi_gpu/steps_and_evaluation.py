@@ -5,7 +5,7 @@ class LossSums:
 
     def __init__(self, device, carried=(0.0, 0.0)):
         self.sums = torch.tensor(carried, dtype=torch.float64).to(device)  # loss, units
-        self.recent = []  # (loss detached, n) since the last fold(): train_pass's
+        self.recent = []  # (loss detached, n) per micro-batch: train_pass() appends
         # train_pass() sets .epoch and .next_step: the pass and micro-batch of recent[0]
 
     def fold(self):
