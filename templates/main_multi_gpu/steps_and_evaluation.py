@@ -14,7 +14,7 @@ class LossSums:
             return self.sums.new_zeros(0, dtype=torch.float32)
         loss, ns = zip(*self.recent)
         self.recent, loss = [], torch.stack(loss).double()  # each micro-batch's
-        units = torch.as_tensor(ns, dtype=loss.dtype, device=loss.device)
+        units = loss.new_tensor([*map(float, ns)])  # a tensor n: read here, at a check
         self.sums += torch.stack([loss @ units, units.sum()])
         return loss.float()
 
