@@ -25,6 +25,7 @@ import torch
 
 from conftest import (
     bake,
+    edit,
     max_difference,
     metrics,
     replace_user_functions,
@@ -201,6 +202,24 @@ def straight(tmp_path_factory):
     project = stream_project(root, "shards", SHARDS, save_strategy="last")
     run_warm(project, root / "out", 2, *RUN, "--batch-size", "8", "--num-workers", "0")
     return final(root / "out")
+
+
+@pytest.mark.xdist_group("shards_straight")
+def test_the_pass_end_reaches_every_rank_beside_huge_weights(tmp_path, straight):
+    """n of 2**28 a row (the token count of a large batch, say): whether any rank has
+    rows left travels apart from the weights, so float32 cannot round it away (the
+    ranks would end the pass apart and fail in the next collective), and the run
+    trains as with n = 1 (the mean loss is the same)."""
+    project = stream_project(tmp_path, "shards", SHARDS, save_strategy="last")
+    edit(
+        project,
+        "F.mse_loss(model(x), y), len(y)\n",
+        "F.mse_loss(model(x), y), len(y) * 2.0**28\n",
+    )
+    run_warm(
+        project, tmp_path / "out", 2, *RUN, "--batch-size", "8", "--num-workers", "0"
+    )
+    assert max_difference(final(tmp_path / "out"), straight) < 1e-6
 
 
 @pytest.mark.xdist_group("shards_straight")

@@ -1,7 +1,7 @@
 class LossSums:
     """This rank's training loss since the last evaluation, summed over units, and
-    the units, on the device; and each micro-batch's (loss, n) since the last check(),
-    which adds them up, all at once: no work a step."""
+    the units, on the device; and each micro-batch's (loss, n) since then, which fold()
+    adds up at each check, all at once: no tensor work a step."""
 
     def __init__(self, device, carried=(0.0, 0.0)):
         self.sums = torch.tensor(carried, dtype=torch.float64).to(device)  # loss, units
@@ -14,7 +14,8 @@ class LossSums:
             return self.sums.new_zeros(0, dtype=torch.float32)
         loss, ns = zip(*self.recent)
         self.recent, loss = [], torch.stack(loss).double()  # each micro-batch's
-        units = loss.new_tensor([*map(float, ns)])  # a tensor n: read here, at a check
+        to = functools.partial(torch.as_tensor, dtype=loss.dtype, device=loss.device)
+        units = torch.stack([*map(to, ns)]) if any(map(torch.is_tensor, ns)) else to(ns)
         self.sums += torch.stack([loss @ units, units.sum()])
         return loss.float()
 
@@ -31,12 +32,11 @@ class LossSums:
 class Step(nn.Module):
     """{{ par.step_host }}: the model, and a training step (compute_loss) as
     the forward pass, so that {{ par.step_sees }} every parameter a step uses; and `units`,
-    a parameter, zero, whose sum each micro-batch adds to its loss (so its gradient is
-    the loss's weight, n / batch size), and an update's last its column 1's sum again
-    where this rank has items after it of a stream read by shard (`more`): the
-    gradients' reduction brings the mean weight per rank, and in column 1 more than in
-    column 0 where any rank has more (in each row: one per rank, so that FSDP2 shards
-    it evenly)."""
+    a parameter, zero: each micro-batch adds its column 0's sum to its loss (so that
+    its gradient is the loss's weight, n / batch size), and an update's last its
+    column 1's sum, unweighted, where this rank has items after it of a stream read by
+    shard (`more`): the gradients' reduction brings the mean weight per rank, and the
+    mean `more` (in each row: one per rank, so that FSDP2 shards it evenly)."""
 
     def __init__(self, model):
         super().__init__()
@@ -51,7 +51,8 @@ class Step(nn.Module):
             expected = "(loss, n): the mean loss over n units, a tensor of shape ()"
             raise returned("compute_loss", out, expected)
         n = n if real else 0  # a stand-in batch at a stream's end weighs nothing
-        return loss, n, self.units.sum(), self.units[:, 1].sum() if more else None
+        ahead = self.units[:, 1].sum() if more else None  # apart from the weight
+        return loss, n, self.units[:, 0].sum(), ahead
 {% if fsdp %}
 
     def metrics(self, batch):
@@ -68,8 +69,8 @@ def update(t, turn):
     # The gradients are of losses weighted by n / batch size, averaged over ranks:
     # divide them by the mean weight per rank (over all ranks), so that every update
     # follows the mean loss over all units of the global batch, for any processes and
-    # --grad-accum. Row 0: the mean weight, in column 1 more where some rank has stream
-    # items after this update.
+    # --grad-accum. Row 0: the mean weight, and > 0 where some rank has stream items
+    # after this update.
 {% if fsdp %}
     t.units = units = t.sharded.units.grad.to_local()  # reduce-scattered: its row
 {% else %}
@@ -78,7 +79,7 @@ def update(t, turn):
     for optimizer in optimizers:  # --amp fp16: the true gradients, for clipping
         t.scaler.unscale_(optimizer)
     grads = [p.grad for p in params if p.grad is not None]
-    torch._foreach_div_(grads, units.min().clamp(min=1e-12))  # column 0's; 0 / 0: 0
+    torch._foreach_div_(grads, units[0, 0].clamp(min=1e-12))  # 0 / 0: 0
     if args.clip_grad_norm:
         nn.utils.clip_grad_norm_(params, args.clip_grad_norm)
     for optimizer in optimizers:

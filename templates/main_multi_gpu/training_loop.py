@@ -300,7 +300,7 @@ def train_pass(t, at, reports):
         if sync:
             # Where this rank's stream shards ran out: has any rank's not? The news
             # came with the gradients (see Step): a wait here, at a pass's end only.
-            last = not (more or apart and (t.units[0, 1] > t.units[0, 0]).item())
+            last = not (more or apart and t.units[0, 1].item())
             at.step, at.epoch_samples, at.stream = at.step + 1, position, state
             if last:  # the pass is done
                 at.epoch, at.epoch_samples, at.stream = at.epoch + 1, 0, None
@@ -323,7 +323,7 @@ def reseed(seed, device):
 def backward(t, batch, real, turn, sync, more):
     """One micro-batch's forward and backward pass (sync: the update's last, whose
     gradients are averaged over the ranks; more: it is, and this rank has items of a
-    stream read by shard after it). Returns its loss and units."""
+    stream read by shard after it). Returns its loss and n."""
     args, device, amp = t.args, t.device, AMP_DTYPES[t.args.amp]  # amp: None or a dtype
 {{ par.train_step() }}
     return loss, n
