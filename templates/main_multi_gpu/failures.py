@@ -2,7 +2,8 @@
 # Stops, failures and hangs: say which rank, and where
 # --------------------------------------------------------------------------------------
 COLLECTIVE_GRACE = 30  # seconds a collective waits beyond twice --dist-timeout
-STOPS = (signal.SIGTERM, signal.SIGINT)  # a scheduler's or a terminal's, and Ctrl-C
+# Stop, save, exit 128 + the signal: a scheduler's, Ctrl-C, a terminal that closed
+STOPS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 STOP_SIGNAL = None  # the first of STOPS received: stop, save, exit 128 + it
 # stderr is line-buffered (Python 3.9+; unbuffered under -u): a write that ends a
 # line reaches the file at once, before an os._exit too, with no flush.
@@ -21,14 +22,23 @@ def failure(message, status=1):
 
 
 def on_stop_signal(signum, frame):
-    """SIGTERM (how Slurm and Kubernetes preempt) or Ctrl-C (SIGINT): training stops
-    at the next check, saves a checkpoint, and exits with 128 + the signal's number.
-    A second Ctrl-C stops at once, saving nothing."""
+    """SIGTERM (how Slurm and Kubernetes preempt), Ctrl-C (SIGINT) or SIGHUP (the
+    terminal closed): training stops at the next check, saves a checkpoint, and exits
+    with 128 + the signal's number. A second Ctrl-C stops at once, saving nothing."""
     global STOP_SIGNAL
     if STOP_SIGNAL is None:
         STOP_SIGNAL = signum
     elif signum == signal.SIGINT:
         stop_now(128 + signum)
+
+
+def abort_if_asked(signum, stops):
+    """A launcher's answer to SIGQUIT, or to a second Ctrl-C (`stops`: the signals it
+    got): stop the workers at once, saving nothing."""
+    if signum == signal.SIGQUIT or signum == signal.SIGINT and len(stops) > 1:
+        how = "a second Ctrl-C" if signum == signal.SIGINT else "SIGQUIT"
+        sys.stderr.write(f"aborted: {how} stopped the workers at once\n")
+        stop_now(128 + signum)  # they, and all below them, at once
 
 
 def leave(status):
@@ -52,14 +62,27 @@ def stop_now(status):
     os._exit(status)
 
 
-def descendants(pid):
-    """The processes below `pid`, each before its own (Linux, from /proc)."""
+def children(pid):
+    """The processes that `pid` started (Linux, from /proc; elsewhere none)."""
     found = []
     for task in Path(f"/proc/{pid}/task").glob("*/children"):
         with contextlib.suppress(OSError):
-            for child in map(int, task.read_text().split()):
-                found += [child, *descendants(child)]
+            found += map(int, task.read_text().split())
     return found
+
+
+def descendants(pid):
+    """The processes below `pid`, each before its own."""
+    return [each for child in children(pid) for each in (child, *descendants(child))]
+{% if not spawn %}
+
+
+def running(pid):
+    """Whether this process's child `pid` has not ended (left for torchrun to reap)."""
+    with contextlib.suppress(ChildProcessError):
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+    return False
+{% endif %}
 
 
 def start_fork_server():

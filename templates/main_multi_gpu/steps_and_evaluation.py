@@ -132,7 +132,8 @@ def stopped(last_path, at, batch_size):
     """After the checkpoint a stop signal asked for: one line, and the exit status."""
     # The signal this rank got; a rank stopped by another's signal reports SIGTERM.
     signum = STOP_SIGNAL or signal.SIGTERM
-    word = "interrupted" if signum == signal.SIGINT else "preempted"
+    words = {signal.SIGINT: "interrupted", signal.SIGHUP: "hung up"}
+    word = words.get(signum, "preempted")
     again = "run again to resume (--resume auto)"
 {% if multi and not spawn %}
     if word == "preempted" and "ELASTIC_ROUND" in os.environ:  # a round that changes

@@ -105,15 +105,14 @@ def main():
     stops = []  # the signals received
 
     def on_signal(signum, frame):
-        # Ctrl-C reaches the workers too; a SIGTERM sent here alone is passed on.
         stops.append(signum)
-        if len(stops) > 1 and signum == signal.SIGINT:
-            sys.stderr.write("aborted: a second Ctrl-C stopped the workers at once\n")
-            stop_now(128 + signum)  # they, and all below them, at once
+        abort_if_asked(signum, stops)
+        # Passed on (each worker saves, then exits), but Ctrl-C, which reaches the
+        # workers too: a second one would stop them at once; SIGTERM in its place.
         for process in multiprocessing.active_children():  # the workers started
-            process.terminate()  # SIGTERM: each worker saves, then exits
+            os.kill(process.pid, signal.SIGTERM if signum == signal.SIGINT else signum)
 
-    for signum in STOPS:
+    for signum in (*STOPS, signal.SIGQUIT):
         signal.signal(signum, on_signal)  # before they start: the workers reset it
     quiet_torch_logs("torch", SPAWN_CHATTER)
     # Its resource tracker, which the workers share, frees what their os._exit left.

@@ -34,8 +34,8 @@ def launch(options, timeout, backend):
     one worker per GPU (and restarts them all after a failure, with MAX_RESTARTS). It
     runs inside this process, not as the torchrun command, so that a failure, Ctrl-C
     or SIGTERM ends in one line and the exit status the README gives: the workers', or
-    128 + the signal that stopped them. After a signal, torchrun gives the workers
-    `timeout` seconds (--dist-timeout) to save and stop before it kills them. A
+    128 + the signal that stopped them. A stop signal reaches the workers, which get
+    `timeout` seconds (--dist-timeout) to save and stop before they are killed. A
     `backend` (--backend) that cannot serve the workers stops it before they start.
     """
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun sets it, silently
@@ -45,18 +45,23 @@ def launch(options, timeout, backend):
 
     def on_signal(signum, frame):
         stops.append(signum)
-        if len(stops) == 1:  # torchrun passes it to the workers, which save and stop
+        abort_if_asked(signum, stops)
+        if len(stops) == 1:  # the workers save and stop; then torchrun ends
+            workers = children(os.getpid())
+            for pid in workers:
+                os.kill(pid, signum)
+            deadline = time.monotonic() + timeout
+            while any(map(running, workers)) and time.monotonic() < deadline:
+                time.sleep(0.1)
             raise SignalException(f"signal {signum}", sigval=signal.Signals(signum))
-        if signum == signal.SIGINT:  # a second Ctrl-C: stop the workers at once
-            sys.stderr.write("aborted: a second Ctrl-C stopped the workers at once\n")
-            stop_now(128 + signum)  # they, and all below them, at once
 
-    for signum in STOPS:
+    for signum in (*STOPS, signal.SIGQUIT):
         signal.signal(signum, on_signal)
-    # The workers run this file with the same arguments; torchrun leaves SIGTERM and
-    # SIGINT to the handler above.
-    command = [*shlex.split(options), "--signals-to-handle=SIGHUP,SIGQUIT"]
-    command.append(f"--shutdown-timeout={math.ceil(timeout)}")
+    # torchrun sets its own handler for these as it starts the workers: this one, so
+    # that every torch release treats them alike.
+    torch.distributed.elastic.multiprocessing.api._terminate_process_handler = on_signal
+    # The workers run this file with the same arguments.
+    command = shlex.split(options)
     parsed = get_args_parser().parse_args([*command, __file__])
 {% if multi %}
     if parsed.rdzv_backend == "elastic":  # NNODES=MIN:MAX in run_multi.sh
