@@ -4,6 +4,12 @@
 def parse_args(argv=None):
     """The command line. A value that cannot work stops the run here, before anything
     starts: one line, exit status 2."""
+{% if fsdp %}
+    # FSDP2 trains from torch 2.7 on: 2.6's fails on a CPU, earlier ones lack it.
+    if fully_shard is None or not hasattr(torch.cpu.Stream, "record_event"):
+        needs = "error: parallelism=fsdp2 needs torch 2.7 or newer"
+        raise failure(f"{needs}, not {torch.__version__}", status=2)
+{% endif %}
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=ShowDefaults)
     parser.error = usage_error
     add_training_arguments(parser.add_argument_group("training"))

@@ -76,13 +76,6 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handl
 from torch.distributed.elastic.rendezvous import RendezvousError
 {% endif %}
 {% endif %}
-{% if fsdp %}
-from torch.distributed.fsdp import (
-    MixedPrecisionPolicy,
-    fully_shard,
-    register_fsdp_forward_method,
-)
-{% endif %}
 {% if not spawn %}
 from torch.distributed.run import get_args_parser
 from torch.distributed.run import main as torchrun
@@ -115,4 +108,15 @@ from torch.utils.data import (
 {% endif %}
 from torch.utils.data._utils.pin_memory import pin_memory
 from tqdm import tqdm
+{% if fsdp %}
+
+try:  # FSDP2, in torch 2.6 and newer (parse_args() refuses an older torch)
+    from torch.distributed.fsdp import (
+        MixedPrecisionPolicy,
+        fully_shard,
+        register_fsdp_forward_method,
+    )
+except ImportError:
+    fully_shard = None
+{% endif %}
 

@@ -43,6 +43,8 @@
 # What every rank holds whole (BatchNorm's buffers, which FSDP2 does not shard, and
 # each rank keeps its own of): rank 0's copy goes into a checkpoint, consistent.
 RANK_0_WRITES_REPLICAS = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+# torch 2.7 to 2.10 warn that an API their own checkpoint code uses is deprecated.
+warnings.filterwarnings("ignore", "TypedStorage is deprecated")
 {%- endmacro %}
 
 {% macro training_fields() %}
