@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,6 +23,9 @@ from conftest import bake, load_module
 SCRIPT = TEMPLATE / "tests" / "gpu_check.sh"
 BENCH = TEMPLATE / "bench"
 NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}  # no CUDA, even on a machine with a GPU
+# The first run on a GPU (one H100, torch 2.11), as committed: tests/gpu_check.sh as
+# it was then, its tests and its bench.
+FIRST_GPU_RUN = BENCH / "results" / "gpu" / "2026-11-27-h100" / "run1"
 
 
 def check(*args, env=None, timeout=60):
@@ -139,6 +143,24 @@ def test_list_shows_every_step_and_the_files_exist(tmp_path):
     assert listed == gpu_test_files() and listed
     assert "-m gpu" in tests_step and "--junitxml" in tests_step
     assert not (tmp_path / "gpu_check").exists()  # listed, not made
+
+
+def test_the_tests_share_is_what_they_took_on_the_first_gpu():
+    """The tests' cap (step 5's timeout, and what --help says) is the time the gpu
+    tests took on the first GPU machine, with a little room: not the 240 s it was,
+    which left the bench what they did not use only when they did not use it."""
+    suite = next(ET.parse(FIRST_GPU_RUN / "junit.xml").getroot().iter("testsuite"))
+    took = float(suite.get("time"))
+    assert 130 < took < 140  # 133.7 s, 70 tests
+    code, lines = check("--list")
+    assert code == 0, lines
+    tests_step = next(line for line in lines if line.startswith("5 tests"))
+    cap = int(re.search(r"timeout (\d+) python -m pytest", tests_step).group(1))
+    assert took <= cap <= 1.15 * took, cap
+    bench_step = next(line for line in lines if line.startswith("6 bench"))
+    assert "<what is left of 460 s>" in bench_step  # the 8 minutes, as before
+    code, lines = check("--help")
+    assert f"-m gpu, at most {cap} s" in "\n".join(lines)
 
 
 def test_the_gpu_tests_it_runs_are_collected():
