@@ -8,8 +8,10 @@
 Every run trains a GPT-2-small-class transformer on random tokens (gpt.py), put into
 copies of the default project and the `parallelism=fsdp2` one; the contenders are
 run.py's, launched by run.run_one() as run.py launches them, with the same GPU
-settings (common.gpu_settings). Sections, in the order they run, each run once a
-round, rounds repeated while the budget lasts:
+settings (common.gpu_settings). Sections, in the order they run; the first round runs
+each of their runs once, and a second round (--rounds) starts only where every run of
+the first one ran (the first GPU run spent its last minute on second runs while the
+compile section had none):
 
   frameworks-bf16   hand-written, generated, Accelerate, Fabric; bf16 autocast
   no-ddp            the hand-written loop without DDP (one process), bf16
@@ -17,7 +19,8 @@ round, rounds repeated while the budget lasts:
   frameworks-fp32   the four again in float32 (TF32 matmuls, as gpu_settings sets)
   compile           hand-written and generated with torch.compile, bf16
 
-A run that would not end within the budget is not started (listed as skipped).
+A run that would not end within the budget is not started (listed as skipped), nor
+is any run of a later round once one of the first round's was not.
 DIR/results.json and DIR/bench.md are written again after every run, so a cut run
 leaves what it measured. MFU: model FLOPs a step (gpt.flops_per_token) over the step
 time and the device's dense peak (PEAK_TFLOPS).
@@ -215,6 +218,22 @@ def plan(args, nproc):
     return runs
 
 
+def why_not_started(rnd, left, guess, first_not_run):
+    """Why a planned run is not started, or None (start it). `left`: seconds of the
+    budget left; `guess`: how long such a run takes; `first_not_run`: the first
+    round's runs not started so far. Every section runs once before any runs again:
+    a later round waits for the whole first round, even where a short run of it
+    would fit in what is left."""
+    if rnd > 1 and first_not_run:
+        return (
+            f"round {rnd} starts only where every run of round 1 ran; "
+            f"{len(first_not_run)} did not ({', '.join(first_not_run)})"
+        )
+    if left < guess:
+        return f"{left:.0f} s of the budget left, such a run takes {guess:.0f}"
+    return None
+
+
 def mfu(result, args, nproc, peaks, amp):
     """(tokens/s, model FLOP utilisation) of a run; MFU None without a peak."""
     size = gpt.SIZES[args.model]
@@ -258,15 +277,17 @@ def run_all(args, torch):
     if not args.cpu_smoke:  # imports from disk once, before the first timed launch
         subprocess.run([sys.executable, "-c", "import torch, accelerate, lightning"])
     lengths = {}  # (contender, compile): seconds the last such run took
+    first_not_run = []  # the first round's runs skipped: no later round then
     for rnd, section, contender, amp, compiled in planned:
         left = args.budget - (time.monotonic() - began)
         guess = lengths.get((contender, compiled), FIRST_GUESS_S[compiled])
         entry = {"round": rnd, "section": section, "contender": contender}
         entry |= {"amp": amp, "compile": compiled}
-        if left < guess:
-            entry["skipped"] = (
-                f"{left:.0f} s of the budget left, such a run takes {guess:.0f}"
-            )
+        why = why_not_started(rnd, left, guess, first_not_run)
+        if why:
+            entry["skipped"] = why
+            if rnd == 1:
+                first_not_run.append(f"{contender} ({amp}{', compile' * compiled})")
             report["runs"].append(entry)
             print(
                 f"round {rnd} {section:<16} {contender:<18} skipped: {entry['skipped']}"

@@ -332,6 +332,101 @@ def test_summary_from_the_results_folder(tmp_path, bench):
     assert "No junit.xml (pytest exit status 124)" in summary
 
 
+def simulate_bench(tmp_path, bench, monkeypatch, budget, compile_s):
+    """bench/gpu.py's run_all with every section, each run taking the seconds its
+    kind took on the first GPU machine (run1's results.json; a compile run
+    `compile_s`), on a clock of its own: nothing launched. Its report's runs."""
+    gpu = bench.gpu
+    measured = json.loads((FIRST_GPU_RUN / "bench" / "results.json").read_text())
+    took = {
+        (r["contender"], r["amp"], r["compile"]): r["job_wall_s"]
+        for r in measured["runs"]
+        if "job_wall_s" in r
+    }
+    clock = [0.0]
+
+    def generate_project(template, out_dir, *answers):
+        clock[0] += 10  # before the first run, about 20 s there
+        Path(out_dir).mkdir(parents=True)
+        return Path(out_dir)
+
+    def run_one(contender, options, project, nproc, workdir, tag, steps):
+        seconds = (
+            compile_s if options.compile else took[(contender, options.amp, False)]
+        )
+        clock[0] += seconds
+        log = Path(workdir) / f"{tag}_{contender}.log"
+        log.write_text("")
+        return {
+            "job_wall_s": seconds,
+            "log": str(log),
+            "steady_samples_per_s": 100.0,
+            "steady_step_ms": 160.0,
+            "first_step_from_launch_s": 10.0,
+        }
+
+    monkeypatch.setattr(gpu, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(gpu.run, "generate_project", generate_project)
+    monkeypatch.setattr(gpu.run, "run_one", run_one)
+    monkeypatch.setattr(gpu.run, "template_version", lambda template: None)
+    monkeypatch.setattr(gpu.gpt, "make_gpt_project", lambda p, out, size: p)
+    args = SimpleNamespace(
+        out=str(tmp_path / "bench"),
+        budget=budget,
+        sections=",".join(gpu.SECTIONS),
+        contenders=None,
+        rounds=2,
+        model="gpt2-small",
+        batch_size=16,
+        steps=50,
+        warmup_steps=10,
+        lr=0.001,
+        template=str(TEMPLATE),
+        cpu_smoke=True,  # one process, no device queried
+    )
+    report = gpu.run_all(args, torch)
+    assert report == json.loads((tmp_path / "bench" / "results.json").read_text())
+    return report["runs"]
+
+
+def test_every_bench_section_runs_once_before_any_runs_again(
+    tmp_path, bench, monkeypatch
+):
+    """With the first GPU run's budget (363 s) and run lengths, the compile section's
+    runs do not fit after the others' first runs: none runs a second time then (the
+    first run spent 69 s on second runs of three bf16 contenders instead)."""
+    rows = {
+        (c, amp, compiled)
+        for s in bench.gpu.SECTIONS.values()
+        for c, amp, compiled in s
+    }
+    runs = simulate_bench(tmp_path, bench, monkeypatch, budget=363, compile_s=90)
+    first = [r for r in runs if r["round"] == 1]
+    assert {(r["contender"], r["amp"], r["compile"]) for r in first} == rows
+    assert [r["contender"] for r in first if "skipped" in r] == [
+        "handwritten",
+        "generated",
+    ]
+    assert all(r["compile"] for r in first if "skipped" in r)
+    assert all("s of the budget left" in r["skipped"] for r in first if "skipped" in r)
+    second = [r for r in runs if r["round"] == 2]
+    assert len(second) == len(rows)
+    assert not [r for r in second if "steady_samples_per_s" in r]  # none started
+    assert all(
+        r["skipped"].startswith("round 2 starts only where every run of round 1 ran")
+        and "handwritten (bf16, compile), generated (bf16, compile)" in r["skipped"]
+        for r in second
+    )
+
+    # Time enough for every section once, and some more: second runs, after all.
+    runs = simulate_bench(
+        tmp_path / "more", bench, monkeypatch, budget=560, compile_s=90
+    )
+    rounds = [r["round"] for r in runs if "steady_samples_per_s" in r]
+    assert rounds[: len(rows)] == [1] * len(rows) and 2 in rounds
+    assert rounds == sorted(rounds)
+
+
 def test_bench_gpu_mode_refuses_without_cuda(tmp_path):
     result = subprocess.run(
         [sys.executable, str(BENCH / "gpu.py"), "--out", str(tmp_path / "out")],
