@@ -521,12 +521,49 @@ def tests_summary(folder):
     return lines
 
 
+def verified_torch():
+    """The torch version the suite is verified with (requirements-dev.txt), or None."""
+    requirements = BENCH.parent / "requirements-dev.txt"
+    if not requirements.exists():
+        return None
+    for line in requirements.read_text().splitlines():
+        name, _, version = line.partition("==")
+        if name.strip() == "torch" and version:
+            return version.split("#")[0].strip()
+    return None
+
+
+def torch_line(info):
+    """summary.md's first line: the machine's torch, against the one the suite is
+    verified with. The first GPU run failed where they differed (torchrun's flags)."""
+    here = info.get("torch") if info else run.version_of("torch")
+    verified = verified_torch()
+    if not here:
+        return f"torch: none found on this machine (the suite's: {verified})."
+    cuda = f" (CUDA {info['cuda']})" if info and info.get("cuda") else ""
+    if not verified:
+        return f"torch {here} on this machine{cuda}."
+    if here.split("+")[0] == verified:
+        return (
+            f"torch {here} on this machine{cuda}: the version the suite is verified "
+            "with (requirements-dev.txt)."
+        )
+    return (
+        f"torch {here} on this machine{cuda}; the suite is verified with torch "
+        f"{verified} (requirements-dev.txt): where a test fails here, the difference "
+        "is the first suspect."
+    )
+
+
 def write_summary(folder):
-    """folder/summary.md: the device, the tests, the bench table."""
+    """folder/summary.md: the machine's torch first, then the device, the tests and
+    the bench table."""
     device_file = folder / "device.json"
-    lines = [f"# GPU check, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", ""]
-    if device_file.exists():
-        lines.append("Device: " + device_line(json.loads(device_file.read_text())))
+    info = json.loads(device_file.read_text()) if device_file.exists() else None
+    lines = [torch_line(info), ""]
+    lines += [f"# GPU check, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", ""]
+    if info:
+        lines.append("Device: " + device_line(info))
     else:
         lines.append("Device: no device.json.")
     lines += ["", "## Tests marked `gpu` (`pytest -m gpu`)", "", *tests_summary(folder)]

@@ -17,7 +17,8 @@ On a machine with a CUDA GPU (one or more), within 8 minutes:
   5. python -m pytest tests -m gpu, at most 150 s: DIR/pytest.log, DIR/junit.xml
   6. bench/gpu.py with the time left: DIR/bench/ (results.json, bench.md, logs/);
      every section runs once before any runs a second time
-  7. DIR/summary.md: device, tests and the bench table, ready for the README
+  7. DIR/summary.md: the machine's torch first, then the device, the tests and the
+     bench table, ready for the README
 DIR: --out, else $OUT/gpu_check when $OUT is set, else bench/results/gpu/<UTC time>.
 
   --prepare         here, with a network: download those wheels (for Python 3.12,

@@ -332,6 +332,32 @@ def test_summary_from_the_results_folder(tmp_path, bench):
     assert "No junit.xml (pytest exit status 124)" in summary
 
 
+def test_summary_names_the_machines_torch_first(tmp_path, bench):
+    """summary.md's first line is the machine's torch version, against the one the
+    suite is verified with: a torchrun flag that torch 2.11 lacks is what failed
+    half the first GPU run's tests (its summary began with the date)."""
+    verified = re.search(
+        r"^torch==(\S+)$",
+        (TEMPLATE / "requirements-dev.txt").read_text(),
+        re.MULTILINE,
+    ).group(1)
+    shutil.copy(FIRST_GPU_RUN / "device.json", tmp_path / "device.json")
+    shutil.copy(FIRST_GPU_RUN / "junit.xml", tmp_path / "junit.xml")
+    bench.gpu.write_summary(tmp_path)
+    first, *rest = (tmp_path / "summary.md").read_text().splitlines()
+    assert first.startswith("torch 2.11.0+cu130 on this machine (CUDA 13.0); "), first
+    assert f"the suite is verified with torch {verified} " in first
+    assert rest[1].startswith("# GPU check, ") and rest[3].startswith("Device: 1 x ")
+    assert "70 tests in 134 s: 34 passed, 35 failed, 1 errors" in "\n".join(rest)
+
+    (tmp_path / "device.json").unlink()  # device info failed: the torch it runs
+    bench.gpu.write_summary(tmp_path)
+    first = (tmp_path / "summary.md").read_text().splitlines()[0]
+    assert first.startswith(f"torch {torch.__version__} on this machine"), first
+    if torch.__version__.split("+")[0] == verified:
+        assert "the version the suite is verified with" in first
+
+
 def simulate_bench(tmp_path, bench, monkeypatch, budget, compile_s):
     """bench/gpu.py's run_all with every section, each run taking the seconds its
     kind took on the first GPU machine (run1's results.json; a compile run
