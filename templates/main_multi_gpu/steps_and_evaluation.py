@@ -38,6 +38,8 @@ class Step(nn.Module):
     shard (`more`): the gradients' reduction brings the mean weight per rank, and the
     mean `more` (in each row: one per rank, so that FSDP2 shards it evenly)."""
 
+    no_sync = contextlib.nullcontext  # alone (not in DDP): no all-reduce to skip
+
     def __init__(self, model):
         super().__init__()
         self.model = model
@@ -58,6 +60,10 @@ class Step(nn.Module):
     def metrics(self, batch):
         """compute_metrics for one batch (a forward pass: see build_sharded)."""
         return compute_metrics(self.model, batch)
+
+    def set_requires_gradient_sync(self, sync):
+        """Alone (one process, nothing sharded: see build_sharded): nothing to reduce.
+        (Sharded, FSDP2's own method takes this one's place.)"""
 {% endif %}
 
 
@@ -72,9 +78,9 @@ def update(t, turn):
     # --grad-accum. Row 0: the mean weight, and > 0 where some rank has stream items
     # after this update.
 {% if fsdp %}
-    t.units = units = t.sharded.units.grad.to_local()  # reduce-scattered: its row
+    t.units = units = local(t.sharded.units.grad)  # reduce-scattered: its row
 {% else %}
-    t.units = units = t.ddp_model.module.units.grad  # every row alike (train_pass)
+    t.units = units = t.step.units.grad  # every row alike (train_pass)
 {% endif %}
     for optimizer in optimizers:  # --amp fp16: the true gradients, for clipping
         t.scaler.unscale_(optimizer)

@@ -44,7 +44,8 @@ CHANNELS_LAST = True  # on GPUs, 2-D convolutions in NHWC: faster
 
 {% macro training_fields() %}
     - model: the plain model: saved (DDP change 4), and evaluated
-    - ddp_model: the same parameters in the DDP wrapper: trained (DDP change 3)
+    - step: the model in a Step (with compute_loss); ddp_model: the Step in the DDP
+      wrapper (DDP change 3), or the Step itself in a run of one process: trained
 {%- endmacro %}
 
 {% macro train_step() %}
@@ -62,7 +63,7 @@ CHANNELS_LAST = True  # on GPUs, 2-D convolutions in NHWC: faster
             total = total * (n / args.batch_size)
         (total if ahead is None else total + ahead).backward()
     if sync:
-        check_reduced(t.ddp_model)
+        check_reduced(t)
 {%- endmacro %}
 
 {% macro evaluation_comment() %}
@@ -100,46 +101,43 @@ CHANNELS_LAST = True  # on GPUs, 2-D convolutions in NHWC: faster
     # and evaluate the plain model, whose parameters ddp_model trains.
     # torch.compile inside DDP: the compiled graph is split at DDP's gradient buckets,
     # so the all-reduce still overlaps with the backward pass.
-    t.ddp_model = DDP(
-        Step(torch.compile(model) if args.compile else model).to(device),
-        device_ids=[device.index] if device.type == "cuda" else None,
-        gradient_as_bucket_view=True,
-        find_unused_parameters=FIND_UNUSED_PARAMETERS,
-    )
+    t.step = t.ddp_model = Step(torch.compile(model) if args.compile else model)
+    t.step.to(device)
+    if dist.get_world_size() > 1:  # (alone, one process has nothing to average)
+        t.ddp_model = DDP(
+            t.step,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            gradient_as_bucket_view=True,
+            find_unused_parameters=FIND_UNUSED_PARAMETERS,
+        )
 {% if cookiecutter.sync_bn %}
-    # Rank 0's buffers to the others before each forward pass: none at world size 1,
-    # and SyncBatchNorm's are equal already. (An attribute: torch 2.13 deprecates the
-    # argument, which older versions need.)
-    t.ddp_model.broadcast_buffers = device.type != "cuda" and dist.get_world_size() > 1
-{% else %}
-    # Rank 0's buffers to the others before each forward pass: none at world size 1 (a
-    # sixth of a millisecond a step on a CPU). (An attribute: torch 2.13 deprecates the
-    # argument, which older versions need.)
-    t.ddp_model.broadcast_buffers = dist.get_world_size() > 1
+        # Rank 0's buffers to the others before each forward pass, but SyncBatchNorm's,
+        # which are equal already. (An attribute: torch 2.13 deprecates the argument,
+        # which older versions need.)
+        t.ddp_model.broadcast_buffers = device.type != "cuda"
 {% endif %}
-    t.trained = list(t.ddp_model.parameters())  # the model's, and the Step's units
+    t.trained = list(t.step.parameters())  # the model's, and the Step's units
     # What evaluation, --evaluate and the final weights use: the model, or what
     # build_optimizer() named with keep(..., evaluate=) (an EMA's average).
     t.evaluated = next((e for _, e in KEPT.values() if e is not None), model)
     return t
 
 
-def check_reduced(ddp_model):
-    """After an update's backward pass: every parameter's gradient was reduced, or one
-    line names those the step left out, and what to set (DDP's own error would come
-    one step later, as a wall of text)."""
-    try:
-        ddp_model._check_reducer_finalized()
-    except RuntimeError as err:
-        found = re.search(r"did not receive grad for rank \d+: ([\d ]+)", str(err))
-        trained = [n for n, p in ddp_model.module.named_parameters() if p.requires_grad]
-        names = ", ".join(trained[int(i)] for i in found[1].split())
-        left = re.sub(r"(^|, )model\.", r"\1", names).replace("_orig_mod.", "")
-        raise failure(
-            f"error: the step left {left} out of its loss: set "
-            "FIND_UNUSED_PARAMETERS = True at the top of this file (or freeze them "
-            "with requires_grad_(False))"
-        ) from None
+def check_reduced(t):
+    """After an update's backward pass: every parameter trained got a gradient, or one
+    line names those the step left out, and what to set (under DDP, its own error would
+    come one step later, as a wall of text; alone, training would go on, until DDP's
+    error with more processes)."""
+    unused = [p.grad is None and p.requires_grad for p in t.trained]
+    if FIND_UNUSED_PARAMETERS or not any(unused):
+        return
+    names = [name for (name, _), u in zip(t.step.named_parameters(), unused) if u]
+    left = re.sub(r"(^|, )model\.", r"\1", ", ".join(names)).replace("_orig_mod.", "")
+    raise failure(
+        f"error: the step left {left} out of its loss: set "
+        "FIND_UNUSED_PARAMETERS = True at the top of this file (or freeze them "
+        "with requires_grad_(False))"
+    )
 {%- endmacro %}
 
 {% macro update_doc() %}

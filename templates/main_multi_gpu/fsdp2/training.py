@@ -106,7 +106,10 @@ def build_sharded(args, device):
 
     Returns the model in a Step, the root, whose group also holds the model's own
     parameters (those in no block), in float32, as the units' gradients need. Its
-    metrics() runs as a forward pass too (for evaluation)."""
+    metrics() runs as a forward pass too (for evaluation). One process alone shards
+    nothing: it trains the plain model in a Step, with the same checkpoints."""
+    if dist.get_world_size() == 1:  # nothing to shard: the plain model, as fast
+        return Step(build_model(args)).to(device)
     whole = build_model(args) if dist.get_rank() == 0 else None
     with torch.device("meta"):
         sharded = Step(build_model(args))
@@ -147,6 +150,11 @@ def precision(module, args):
     float32 = torch.float32
     policy = MixedPrecisionPolicy(torch.bfloat16, float32, output_dtype=float32)
     return {"mp_policy": policy}
+
+
+def local(tensor):
+    """This rank's shard of a sharded tensor (a DTensor); a plain tensor as it is."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 {%- endmacro %}
 
 {% macro update_doc() %}
@@ -156,7 +164,7 @@ def precision(module, args):
 {%- endmacro %}
 
 {% macro local_weights() %}
-    weights = (p.to_local() for p in t.model.parameters())  # each rank checks its own
+    weights = map(local, t.model.parameters())  # each rank checks its own
 {%- endmacro %}
 
 {% macro evaluate_batches() %}

@@ -1,0 +1,110 @@
+"""One process alone: the Step trains as it is, without the DDP wrapper (or FSDP2's
+sharding), so a one-GPU run pays nothing for the machinery, and every guarantee of a
+run of several processes holds. What differs at one process is checked here:
+- no DDP wrapper, no fully_shard(): the Step itself trains (with 2 processes: wrapped);
+- a parameter the loss leaves out is named in the same line as under DDP (DDP's own
+  check is gone; a scan of the gradients takes its place);
+- the hang watch names a process stuck alone;
+- a kill -9 with --save-every, then the same command: the end of a run never killed.
+What is the same whatever the number of processes is proved elsewhere, at one process
+too: 1 x 2B equal to 2 x B (test_guarantees, test_workbench, test_recipes: several
+optimizers, ALTERNATE, keep() with evaluate=, --compile with --grad-accum), resumes
+from one process to two and back in both formats (test_elastic, test_fsdp2)."""
+
+import pytest
+
+from conftest import (
+    TINY,
+    act_after_step,
+    bake,
+    edit,
+    error_lines,
+    load_weights,
+    max_difference,
+    replace_user_functions,
+    run_warm,
+)
+from test_faults import watch
+from test_hangs import STUCK_IN_COMPUTE_LOSS, summary
+from test_streams import readme_block
+
+# Where build_training() has made what trains: print its kind once, on rank 0.
+TRAINED = (
+    "    t.trained = list(t.{}.parameters())  # the model's, and the Step's units\n"
+)
+SAY_KIND = "    print0('trains a', type(t.{}).__name__)\n"
+
+
+@pytest.mark.parametrize(
+    ("parallelism", "module", "wrapped"),
+    [("ddp", "ddp_model", "DistributedDataParallel"), ("fsdp2", "sharded", "FSDPStep")],
+)
+def test_one_process_trains_the_step_itself(tmp_path, parallelism, module, wrapped):
+    project = bake(tmp_path, parallelism=parallelism, save_strategy="final_only")
+    trained = TRAINED.format("step" if parallelism == "ddp" else "sharded")
+    edit(project, trained, SAY_KIND.format(module) + trained)
+    one = run_warm(project, tmp_path / "one", 1, *TINY, "--batch-size", "16")
+    two = run_warm(project, tmp_path / "two", 2, *TINY)
+    assert one.count("trains a Step\n") == 1, one
+    assert two.count(f"trains a {wrapped}\n") == 1, two
+
+
+def test_a_parameter_left_out_is_named_in_the_same_words(tmp_path):
+    """The README's recipe with a head the loss leaves out, without
+    FIND_UNUSED_PARAMETERS: the first update stops the run in one line, the one a run
+    of two processes gives (test_recipes.py)."""
+    project = bake(tmp_path / "project")
+    replace_user_functions(project, readme_block(project, "class Net("))
+    edit(
+        project, "FIND_UNUSED_PARAMETERS = True  #", "FIND_UNUSED_PARAMETERS = False  #"
+    )
+    line = (
+        "error: the step left extra.weight, extra.bias out of its loss: set "
+        "FIND_UNUSED_PARAMETERS = True at the top of this file (or freeze them with "
+        "requires_grad_(False))"
+    )
+    for nproc in (1, 2):
+        out = tmp_path / f"out{nproc}"
+        output = run_warm(project, out, nproc, *TINY, expect=1)
+        assert error_lines(output) == [line], output
+        assert "Traceback" not in output and not (out / "model_final.pt").exists()
+
+
+def test_a_process_stuck_alone_is_named(tmp_path):
+    project = bake(tmp_path)
+    # Rank 1's third call stalls in STUCK_IN_COMPUTE_LOSS: alone, rank 0's.
+    replace_user_functions(
+        project, STUCK_IN_COMPUTE_LOSS.replace("dist.get_rank() == 1", "True")
+    )
+    command = ["./run_single.sh", *TINY, "--dist-timeout", "5"]
+    command += ["--output-dir", str(tmp_path / "out")]
+    code, output, seconds, left = watch(command, project, {"NPROC_PER_NODE": "1"})
+    assert code == 1 and left == [] and seconds < 45, output
+    [rank0, verdict] = summary(output)
+    assert rank0.startswith("  rank 0: compute_loss, line "), output
+    assert rank0.endswith("time.sleep(1000)  # stuck  (busy outside any collective)")
+    assert verdict.startswith("rank 0: no progress outside a collective"), output
+
+
+def test_a_kill_and_the_same_command_end_as_a_run_never_killed(tmp_path):
+    """One process, --save-every 3: killed by SIGKILL after update 5 (no handler runs),
+    then the same command repeats updates 4 and 5 and ends with a straight run's
+    weights."""
+    project = bake(tmp_path, save_strategy="last")
+    act_after_step(project)
+    args = [*TINY, "--save-every", "3"]
+    run_warm(project, tmp_path / "straight", 1, *args)
+    out = tmp_path / "out"
+    command = ["./run_single.sh", *args, "--output-dir", str(out)]
+    kill = {"TEST_ACT_AT": "0:0:4", "TEST_ACTION": "os.kill(os.getpid(), 9)"}
+    code, output, _, left = watch(command, project, {"NPROC_PER_NODE": "1", **kill})
+    assert code == 1 and left == [], output
+    assert "error: rank 0 died (SIGKILL)" in output, output
+    assert load_weights(out / "checkpoint_last.pt")["step"] == 3
+    output = run_warm(project, out, 1, *args)
+    assert "resumed from" in output and "after 3 batches" in output, output
+    final = load_weights(out / "model_final.pt")
+    assert (
+        max_difference(final, load_weights(tmp_path / "straight" / "model_final.pt"))
+        < 1e-6
+    )
