@@ -7,7 +7,11 @@ without a network.
   configuration logged once (a resume's new flag beside it), and the right status
   after each attempt: KILLED, FAILED, FINISHED; --resume never starts a new run.
 - W&B offline: the same run id across a restart, its folders where the README says.
-- A tracker not installed, or not known: one line before anything starts."""
+- A tracker not installed, or not known: one line before anything starts.
+- A tracker that fails (cannot start, a server not there or failing mid-run, a
+  client that raises): one warning line, training goes on at full speed to its end,
+  every row in metrics.csv, the done line names it dropped, and it is ended all the
+  same; the trackers beside it log every row."""
 
 import importlib.util
 import json
@@ -15,12 +19,15 @@ import os
 import re
 import subprocess
 import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from test_features import without_modules
-from test_recipes import killed_and_rerun, stopped, train
+from test_recipes import COMMON, killed_and_rerun, stopped, train
 
-from conftest import act_after_step, bake, error_lines, metrics, run_single
+from conftest import act_after_step, bake, error_lines, free_port, metrics, run_single
 
 # 2 processes x 8 samples, 64 samples: 4 updates a pass, an evaluation after each.
 ARGS = ["--epochs", "2", "--batch-size", "8", "--eval-every", "1"]
@@ -201,17 +208,28 @@ def test_a_tracker_not_installed_or_not_known(project, tmp_path, value, line):
 
 
 @needs("mlflow")
-def test_a_tracker_that_cannot_start_is_one_line(project, tmp_path):
-    """MLflow's store asked for under a file: rank 0 says so in one line, and every
-    rank ends, before training."""
+def test_a_tracker_that_cannot_start_is_dropped_and_training_goes_on(project, tmp_path):
+    """MLflow's store asked for under a file: one warning line names the tracker and
+    what it said; training goes on to its end, every row in metrics.csv, and the done
+    line says the tracker was dropped."""
     blocked = tmp_path / "a_file"
     blocked.write_text("")
     env = {"MLFLOW_TRACKING_URI": f"sqlite:///{blocked}/mlflow.db"}
-    args = [*ARGS, "--tracker", "mlflow", "--num-workers", "0"]
-    output = run_single(project, tmp_path / "out", 2, *args, env=env, expect=1)
-    [line] = error_lines(output)
-    assert line.startswith("error: --tracker mlflow failed: ") and str(blocked) in line
-    assert "Traceback" not in output and "step 1" not in output
+    args = [*COMMON, *ARGS, "--tracker", "mlflow"]
+    output = run_single(project, tmp_path / "out", 2, *args, env=env)
+    [line] = warning_lines(output)
+    assert (
+        line.startswith("warning: --tracker mlflow failed (") and str(blocked) in line
+    )
+    assert line.endswith("): training goes on without it")
+    assert [int(row["step"]) for row in metrics(tmp_path / "out")] == STEPS
+    [done] = [line for line in output.splitlines() if line.startswith("done: ")]
+    assert ", dropped: mlflow (" in done and "view: mlflow" not in done
+    assert "Traceback" not in output
+
+
+def warning_lines(output):
+    return [line for line in output.splitlines() if line.startswith("warning: ")]
 
 
 def test_a_missing_tracker_package_skips_its_tests_one_by_one(tmp_path):
@@ -224,3 +242,142 @@ def test_a_missing_tracker_package_skips_its_tests_one_by_one(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert re.search(r"^4 skipped", done.stdout, re.MULTILINE), done.stdout
     assert done.stdout.count("needs mlflow (pip install mlflow)") == 4, done.stdout
+
+
+# -- a tracker that fails: dropped in one line, training goes on at full speed ----------
+
+
+class MlflowServer(ThreadingHTTPServer):
+    """A tracking server on this machine that answers MLflow's REST calls as a real
+    one does, until it has taken `good` batches of metrics; from then on it refuses
+    every call (400, "the server says no"), as a server that broke mid-run."""
+
+    def __init__(self, good):
+        super().__init__(("127.0.0.1", 0), MlflowReplies)
+        self.good, self.metrics = good, []
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def uri(self):
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class MlflowReplies(BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        size = int(self.headers.get("Content-Length") or 0)
+        body = json.loads(self.rfile.read(size)) if size else {}
+        if len(self.server.metrics) >= self.server.good:
+            answer, status = (
+                {"error_code": "BAD_REQUEST", "message": "server says no"},
+                400,
+            )
+        elif "experiments/get-by-name" in self.path:
+            answer, status = (
+                {"experiment": {"experiment_id": "1", "lifecycle_stage": "active"}},
+                200,
+            )
+        elif "runs/create" in self.path:
+            info = {"run_id": "r1", "experiment_id": "1", "status": "RUNNING"}
+            answer, status = {"run": {"info": info, "data": {}}}, 200
+        else:
+            answer, status = {}, 200
+            self.server.metrics += [body["metrics"]] if "metrics" in body else []
+        data = json.dumps(answer).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    do_POST = do_PATCH = do_GET
+
+
+def timed(project, out_dir, *args, env=None):
+    """A fresh launch as a user's (run_single.sh, 2 processes): output, seconds."""
+    start = time.monotonic()
+    output = run_single(project, out_dir, 2, *COMMON, *ARGS, *args, env=env)
+    return output, time.monotonic() - start
+
+
+def assert_dropped(output, out_dir, name, said):
+    """One warning line naming the tracker and what it said, every row in
+    metrics.csv, the done line naming the tracker dropped, no traceback."""
+    [line] = warning_lines(output)
+    assert line.startswith(f"warning: --tracker {name} failed ("), output
+    assert said in line and line.endswith("): training goes on without it"), line
+    assert [int(row["step"]) for row in metrics(out_dir)] == STEPS
+    [done] = [line for line in output.splitlines() if line.startswith("done: ")]
+    assert f", dropped: {name} (" in done and f"view: {name}" not in done, done
+    assert "Traceback" not in output, output
+
+
+@pytest.fixture(scope="module")
+def untracked(project, tmp_path_factory):
+    """Seconds a fresh launch of the runs below takes without a tracker."""
+    return timed(project, tmp_path_factory.mktemp("untracked"))[1]
+
+
+@needs("mlflow")
+def test_a_tracking_server_that_fails_mid_run_is_dropped(project, untracked, tmp_path):
+    """The server takes 3 rows, then refuses: training goes on at full speed to its
+    end, and the run ends within seconds of one without a tracker."""
+    server = MlflowServer(good=3)
+    env = {"MLFLOW_TRACKING_URI": server.uri}
+    output, seconds = timed(project, tmp_path, "--tracker", "mlflow", env=env)
+    assert_dropped(output, tmp_path, "mlflow", "server says no")
+    steps = [
+        [m["step"] for m in batch if m["key"] == "val_loss"] for batch in server.metrics
+    ]
+    assert steps == [[1], [2], [3]]  # what it took before it broke
+    assert seconds < untracked + 8, (seconds, untracked)
+
+
+@needs("mlflow")
+def test_a_tracking_server_that_is_not_there_is_dropped(project, untracked, tmp_path):
+    """Nothing listens at the port. With MLflow's retries off, the first call fails:
+    the run ends within seconds of one without a tracker. With its retries on (the
+    default: minutes of them), they run in the tracker's thread while training goes
+    on, and the run's end waits for them at most TRACKER_GRACE (30 s) from their
+    start."""
+    env = {"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{free_port()}"}
+    at_once = {**env, "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}
+    output, seconds = timed(project, tmp_path / "a", "--tracker", "mlflow", env=at_once)
+    assert_dropped(output, tmp_path / "a", "mlflow", "Connection refused")
+    assert seconds < untracked + 8, (seconds, untracked)
+
+    output, seconds = timed(project, tmp_path / "b", "--tracker", "mlflow", env=env)
+    assert_dropped(output, tmp_path / "b", "mlflow", "no answer within 30 s")
+    assert seconds < 30 + untracked + 8, (seconds, untracked)
+
+
+@needs("wandb")
+@needs("tensorboard")
+def test_a_tracker_that_raises_is_dropped_and_the_others_go_on(project, tmp_path):
+    """W&B (offline) raises on every log: dropped in one line, and still finished;
+    TensorBoard, beside it, gets every row."""
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    finished = tmp_path / "finished"
+    (shim / "sitecustomize.py").write_text(
+        "from wandb.sdk.wandb_run import Run\n"
+        "def log(self, *args, **kwargs):\n"
+        "    raise RuntimeError('W&B is down')\n"
+        "finish = Run.finish\n"
+        "def finished(self, *args, **kwargs):\n"
+        f"    open({str(finished)!r}, 'a').write(str(kwargs) + '\\n')\n"
+        "    return finish(self, *args, **kwargs)\n"
+        "Run.log, Run.finish = log, finished\n"
+    )
+    env = {"WANDB_MODE": "offline", "PYTHONPATH": str(shim)}
+    out = tmp_path / "out"
+    output, _ = timed(project, out, "--tracker", "wandb,tensorboard", env=env)
+    assert_dropped(output, out, "wandb", "W&B is down")
+    assert finished.read_text() == "{'exit_code': 0}\n"  # ended all the same
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    assert [event.step for event in events.Scalars("train_loss")] == STEPS

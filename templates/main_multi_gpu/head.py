@@ -23,6 +23,7 @@ import math
 import multiprocessing
 import os
 import pickle
+import queue
 import re
 import select
 {% if not spawn %}

@@ -21,11 +21,11 @@ class Reports(contextlib.ExitStack):
         self.memory_shown = False
         self.callback(optimizer.register_step_post_hook(self.show_memory).remove)
 {% endif %}
-        if t.args.tracker:  # rank 0's; the others wait: a failure there ends them too
+        if t.args.tracker:  # rank 0's (they start in the background)
             self.trackers = by_rank_0(t.device, Trackers, t, out_dir, at.step)
             if self.trackers:  # ended with the right status however the run ends
                 self.push(lambda err, *_: self.trackers.end(1 if err else self.code))
-        self.start_interval()  # (after the trackers' start: it is not training)
+        self.start_interval()
 
     def mark_update(self, *_):  # before an optimizer's step, and after it
         self.updates.append(self.mark())
@@ -150,8 +150,8 @@ class Reports(contextlib.ExitStack):
 {% if fsdp %}
 def mib(tensors):
     """MiB of this rank's shards of these tensors (DTensors, or plain ones)."""
-    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
-    sizes = [t.numel() * t.element_size() for t in local if torch.is_tensor(t)]
+    shards = [local(t) for t in tensors if torch.is_tensor(t)]
+    sizes = [t.numel() * t.element_size() for t in shards]
     return sum(sizes) / 2**20
 
 
@@ -188,12 +188,16 @@ def write_metrics(path, rows):
         )
 
 
+TRACKER_GRACE = 30  # seconds a tracker's call may take, before a run's end leaves it
+
+
 class Trackers:
     """Rank 0's experiment trackers (--tracker): one tracker run per output folder.
     DIR/trackers.json keeps the runs' ids, so that a resume, a requeue, an elastic
     round or the same command after a crash go on with the same runs (--resume
     never: new ones). Each optimizer update is logged once, as step = updates done:
-    those a crash makes the next attempt repeat, the runs already have."""
+    those a crash makes the next attempt repeat, the runs already have. Each tracker
+    works in a thread of its own (see serve()): the loop only queues its calls."""
 
     def __init__(self, t, out_dir, step):
         args, self.path = t.args, out_dir / "trackers.json"
@@ -210,36 +214,68 @@ class Trackers:
         old, attempt = self.saved.get("config", {}), self.saved.get("attempts", 0) + 1
         changed = {key: value for key, value in config.items() if old.get(key) != value}
         at = f"from attempt {attempt} at step {step}"
-        self.runs = []  # (log(row, step), end(exit status)) of each
+        self.lock = threading.Lock()  # trackers.json is written by their threads too
+        self.save(config=old | config, attempts=attempt)
+        self.names, self.threads, self.since, self.dropped = args.tracker, {}, {}, {}
         for name in args.tracker:
             run_id = self.saved.get(name)
             values = {f"{k} {at}": v for k, v in changed.items()} if run_id else config
-            try:  # a server, a login, a file: one line
-                self.saved[name], *run = TRACKERS[name](run_id, values, out_dir, args)
-            except Exception as err:  # noqa: BLE001
-                self.end(1)  # those started
-                reason = (str(err).strip() or repr(err)).splitlines()[0]
-                raise failure(f"error: --tracker {name} failed: {reason}") from None
-            self.runs.append(run)
-        self.saved |= {"config": old | config, "attempts": attempt}
-        self.save()
+            begin = functools.partial(TRACKERS[name], run_id, values, out_dir, args)
+            calls = queue.SimpleQueue()
+            thread = threading.Thread(target=self.serve, args=(name, begin, calls), daemon=True)
+            self.threads[name] = thread, calls
+            thread.start()
 
-    def save(self):
-        with replacing(self.path, "w") as f:
+    def save(self, **changes):
+        with self.lock, replacing(self.path, "w") as f:
+            self.saved |= changes
             json.dump(self.saved, f, indent=1)
+
+    def serve(self, name, begin, calls):
+        """A tracker's thread: its start, then each call the loop queues: log (0) a
+        row, end (1) the run. A slow one (a server and its retries) never holds
+        training up; one that raises is dropped, in one warning line, while training
+        goes on, and is ended all the same once it started."""
+        self.since[name] = time.monotonic()
+        try:
+            run_id, *methods = begin()
+            self.save(**{name: run_id})
+        except Exception as err:  # noqa: BLE001 (the tracker's failure, not training's)
+            return self.drop(name, err)
+        for method, *args in iter(calls.get, None):
+            self.since[name] = time.monotonic()
+            try:
+                if method or name not in self.dropped:
+                    methods[method](*args)
+            except Exception as err:  # noqa: BLE001
+                self.drop(name, err)
+            self.since[name] = None
+
+    def drop(self, name, err):
+        if name not in self.dropped:
+            self.dropped[name] = why = (str(err).strip() or repr(err)).splitlines()[0]
+            line = f"warning: --tracker {name} failed ({why}): training goes on"
+            print(f"{line} without it", file=sys.stderr)
 
     def log(self, row, step):
         """An evaluation's row, at its step, unless the runs have it already."""
         if step > self.saved.get("step", 0):
-            self.saved["step"] = step  # first: a crash can lose a row, never repeat it
-            self.save()
-            for log, _ in self.runs:
-                log(row, step)
+            self.save(step=step)  # first: a crash can lose a row, never repeat it
+            for _, calls in self.threads.values():
+                calls.put((0, row, step))
 
     def end(self, code):
-        """Every run ends with the exit status: 0, 128 + a stop signal, or 1."""
-        for _, end in self.runs:
-            end(code)
+        """Every run ends with the exit status (0, 128 + a stop signal, or 1), each
+        tracker given TRACKER_GRACE seconds from the start of its call under way."""
+        for _, calls in self.threads.values():
+            calls.put((1, code))
+            calls.put(None)
+        for name, (thread, _) in self.threads.items():
+            since = self.since.get(name) or time.monotonic()
+            thread.join(since + TRACKER_GRACE - time.monotonic())
+            if thread.is_alive():  # a daemon: it ends with this process
+                self.drop(name, f"no answer within {TRACKER_GRACE} s")
+        self.threads = {}  # ended: a second end() does nothing
 
 
 # Each tracker: its run's id (a new one for None), and how to log and end it.
@@ -304,9 +340,11 @@ def mlflow_uri(out_dir):
     return os.environ.get("MLFLOW_TRACKING_URI", default)
 
 
-def report_outputs(out_dir, trackers):
+def report_outputs(out_dir, evaluated, trackers):
     """One line at the end: where the results are, and how to look at them."""
-    parts = [f"weights {out_dir}/model_final.pt", f"metrics {out_dir}/metrics.csv"]
+    parts = [f"weights {out_dir}/model_final.pt"]
+    parts += [f"evaluated weights {out_dir}/model_final_{name}.pt" for name in evaluated]
+    parts.append(f"metrics {out_dir}/metrics.csv")
     views = {
         "tensorboard": f"tensorboard --logdir {out_dir / 'tensorboard'}",
         "mlflow": f"mlflow ui --backend-store-uri {mlflow_uri(out_dir)}",
@@ -314,7 +352,9 @@ def report_outputs(out_dir, trackers):
     }
     if os.environ.get("WANDB_MODE") not in ("offline", "dryrun"):
         views["wandb"] = "the run's page in W&B"
-    parts += [f"view: {views[name]}" for name in trackers]
+    names, dropped = (trackers.names, trackers.dropped) if trackers else ([], {})
+    parts += [f"view: {views[name]}" for name in names if name not in dropped]
+    parts += [f"dropped: {name} ({why})" for name, why in dropped.items()]
     print("done: " + ", ".join(parts), flush=True)
 
 

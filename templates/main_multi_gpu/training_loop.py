@@ -241,13 +241,13 @@ def train(args, device):
         evaluated = {
             k: e.state_dict() for k, (_, e) in KEPT.items() if e is t.evaluated
         }
-        by_rank_0(device, save_final, weights, evaluated, out_dir, args.tracker)
+        by_rank_0(device, save_final, weights, evaluated, out_dir, reports.trackers)
     return 0
 
 
 def save_final(weights, evaluated, out_dir, trackers):
     """Rank 0, at the run's end: model_final.pt (and the evaluated weights, when
-    keep() named others), and where they are."""
+    keep() named others), the trackers' end, and where they all are."""
     save_atomic(weights, out_dir / "model_final.pt")
     for name, state in evaluated.items():
         save_atomic(state, out_dir / f"model_final_{name}.pt")
@@ -255,7 +255,9 @@ def save_final(weights, evaluated, out_dir, trackers):
     # final_only: the checkpoint a stop or --save-every wrote goes
 {{ saving.remove_last_checkpoint() }}
 {% endif %}
-    report_outputs(out_dir, trackers)
+    if trackers:  # ended before the line that says which were dropped
+        trackers.end(0)
+    report_outputs(out_dir, evaluated, trackers)
 
 
 def finished(args, at):
