@@ -357,6 +357,65 @@ def report(results):
     return "\n".join(lines)
 
 
+# The README's names of the columns, and of the cells.
+HEADS = {
+    "torchrun-single-ddp": "DDP: torchrun",
+    "torchrun-multi-ddp": "torchrun, machines (elastic)",
+    "spawn-single-ddp": "spawn",
+    "spawn-multi-ddp": "spawn, machines",
+    "torchrun-single-fsdp2": "FSDP2: torchrun",
+    "torchrun-multi-fsdp2": "torchrun, machines (elastic)",
+    "spawn-single-fsdp2": "spawn",
+    "spawn-multi-fsdp2": "spawn, machines",
+    "2nd Ctrl-C": "2nd Ctrl-C",
+    "SIGHUP": "SIGHUP",
+    "SIGQUIT": "SIGQUIT",
+    "hang": "hang report",
+    "deterministic": "`--deterministic`",
+    "2 -> 1": "2 -> 1 processes",
+}
+README = Path(__file__).resolve().parent.parent / "README.md"
+INCLUDED = README.parent / "templates" / "README" / "torch_range.md"
+MARKS = ("<!-- torch-range:start -->\n", "<!-- torch-range:end -->\n")
+
+
+def write_tables(results):
+    """The table both READMEs show (the generated one includes INCLUDED; the
+    repository's holds a copy between MARKS): every release checked, every
+    cell "ok" as a tick, a variant refused as it should be as "needs 2.7"."""
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    lines = ["| torch | " + " | ".join(HEADS.values()) + " |"]
+    lines.append("|---" * (len(HEADS) + 1) + "|")
+    for version, (row, _) in results.items():
+        cells = []
+        for column in HEADS:
+            cell = row.get(column, "")
+            if cell == REFUSED:
+                floor = FLOORS[column.rsplit("-", 1)[1]].rsplit(".", 1)[0]
+                cell = f"refused: needs {floor}"
+            cells.append("✓" if cell == "ok" else cell or "not run")
+        lines.append(f"| {version} | " + " | ".join(cells) + " |")
+    when = time.strftime("%Y-%m-%d")
+    text = "\n".join(lines) + (
+        f"\n\nFrom `tests/torch_range.py` on {when}, template commit {commit}: each"
+        " release in a virtual environment of its own (the registry's builds), on a"
+        " CPU, 2 processes over gloo. A variant's tick: it trained, a SIGTERM to the"
+        " launcher during the second epoch saved and exited 143, and the same command"
+        " resumed to the weights of a run never stopped. The other columns, on the"
+        " default project: a second Ctrl-C stops at once (130, both launchers); SIGHUP"
+        " saves and stops (129); SIGQUIT stops at once (131); a stuck rank is named by"
+        " the hang report; `--deterministic` gives the same weights; a checkpoint of"
+        " 2 processes resumes on 1, keeping the global batch, to the same weights.\n"
+    )
+    INCLUDED.write_text(text)
+    readme = README.read_text()
+    start, end = (readme.index(mark) + len(mark) for mark in MARKS)
+    end -= len(MARKS[1])
+    README.write_text(readme[:start] + text + readme[end:])
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -366,6 +425,11 @@ def main():
     parser.add_argument("--floor", action="store_true", help=f"only {floors}")
     parser.add_argument("--markdown", type=Path, help="also write the table there")
     parser.add_argument("--keep", type=Path, help="keep projects and outputs there")
+    parser.add_argument(
+        "--write",
+        action="store_true",
+        help="also put the table into both READMEs (this repository's, the template's)",
+    )
     args = parser.parse_args()
     default = Path.home() / ".cache" / "ddp-template"
     root = Path(os.environ.get("TORCH_RANGE_VENVS", default))
@@ -388,6 +452,8 @@ def main():
     print(text)
     if args.markdown:
         args.markdown.write_text(text + "\n")
+    if args.write:
+        write_tables(results)
     cells = [cell for row, _ in results.values() for cell in row.values()]
     return 1 if any(cell not in ("ok", REFUSED) for cell in cells) else 0
 

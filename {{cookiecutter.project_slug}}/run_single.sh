@@ -8,7 +8,8 @@
 {% endif %}
 # Any arguments are passed to main_multi_gpu.py (see python main_multi_gpu.py --help).
 # Exit status: 0 when done; 2 for an argument that cannot work (nothing started);
-# 130 after Ctrl-C and 143 after SIGTERM (a checkpoint was saved); 1 for a failure.
+# 130 after Ctrl-C, 143 after SIGTERM, 129 after SIGHUP (a checkpoint was saved); 1 for
+# a failure.
 set -euo pipefail
 
 # A variable that must be a whole number from $2 up: one line and exit 2 otherwise.
