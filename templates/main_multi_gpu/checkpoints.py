@@ -212,6 +212,16 @@ def describe(processes, batch, accum):
 
 
 def resume(t, checkpoint, out_dir):
+    """restore(). A checkpoint without a field that restore() reads (saved by an
+    older version of this file: the README's "Updating this project") stops the run
+    with one line naming the field, not a KeyError's traceback."""
+    try:
+        return restore(t, checkpoint, out_dir)
+    except KeyError as field:  # restore() reads the checkpoint, and little else
+        raise failure(f"error: {checkpoint['path']} has no field {field}") from None
+
+
+def restore(t, checkpoint, out_dir):
     """Restore the state a checkpoint holds, trim metrics.csv to its updates, and
     return the Position training goes on from."""
     at, carried = Position(), (0.0, 0.0)

@@ -1,5 +1,6 @@
 # {{ cookiecutter.project_name }}
-#
+{% from "version.jinja" import version %}
+# From the DDP template, version {{ version }}; with cruft, .cruft.json names the commit
 {{ par.intro() }}
 # Your data, model, loss, metrics and optimizer go in the five functions under
 # "EDIT HERE"; nothing else in this file needs to change for them.
