@@ -102,18 +102,17 @@ def check(t, reports):
     evaluation and save: every rank learns whether any rank got SIGTERM (returns
     True), or saw a loss or weights that are not finite (then the run stops, saving
     nothing)."""
-    sums = t.sums
-    recent = sums.fold()  # this rank's losses since the last check
+    recent = t.sums.fold()  # this rank's losses since the last check
 {{ par.local_weights() }}
     finite = torch.stack([each.isfinite().all() for each in (recent, *weights)]).all()
     flags = torch.stack([finite.new_tensor(STOP_SIGNAL is not None), ~finite]).double()
     dist.all_reduce(flags)
     stop, diverged = flags.tolist()
     if diverged:
-        raise diverged_failure(recent, sums.next_step, sums.epoch + 1, t.device)
+        raise diverged_failure(recent, t.sums.next_step, t.sums.epoch + 1, t.device)
     if len(recent) and not reports.progress.disable:  # the bar shows the loss
         reports.progress.set_postfix(loss=f"{recent.mean().item():.4f}")
-    sums.next_step += len(recent)
+    t.sums.next_step += len(recent)
     return stop > 0
 
 
