@@ -4,6 +4,7 @@ through every run script; Ctrl-C saves and stops like SIGTERM, and a second Ctrl
 stops at once. Each case: one clear line, no traceback, no process left behind."""
 
 import os
+import re
 import subprocess
 import time
 
@@ -16,9 +17,11 @@ from conftest import (
     error_lines,
     load_module,
     load_weights,
+    max_difference,
     nan_loss_on_rank_1,
     replace_user_functions,
     run_warm,
+    without_batchnorm,
 )
 from test_faults import watch
 
@@ -101,6 +104,66 @@ def test_a_huge_learning_rate_or_a_full_disk_keeps_the_last_good_checkpoint(tmp_
     }
     assert (out / "metrics.csv").read_text().count("\n") == 3  # header, epochs 1, 2
     assert sorted(p.name for p in out.iterdir()) == files  # no .tmp left
+
+
+# -- a save that fails loses nothing -----------------------------------------------------
+
+SAVED = ["--batch-size", "8", "--num-workers", "0", "--val-size", "37"]
+SAVED += ["--train-size", "64"]  # 2 processes: 4 updates an epoch
+
+
+@pytest.mark.parametrize(
+    ("parallelism", "limit_kib"),
+    # Files of at most this size: a checkpoint is larger (DDP's 170 KiB; FSDP2's
+    # shards 100-130 KiB a rank), metrics.csv and the rest smaller.
+    [("ddp", 64), ("fsdp2", 40)],
+)
+def test_a_save_that_fails_part_way_loses_nothing(tmp_path, parallelism, limit_kib):
+    """Epoch 1 saved; then a file size limit (as a full disk or a quota would)
+    makes epoch 2's checkpoint fail part-way: one line names it and the reason, exit
+    1, the checkpoint of epoch 1 stays whole and loadable, and once there is room
+    the same command resumes from it and ends as a run never stopped. The same for
+    model_final.pt (a folder where its temporary file goes)."""
+    project = bake(tmp_path, parallelism=parallelism, save_strategy="last")
+    without_batchnorm(project)
+    straight, out = tmp_path / "straight", tmp_path / "out"
+    run_warm(project, straight, 2, *SAVED, "--epochs", "3")
+    run_warm(project, out, 2, *SAVED, "--epochs", "1")
+    last = out / ("checkpoint_last.pt" if parallelism == "ddp" else "checkpoint_last")
+    files = {p.name: p.read_bytes() for p in last.rglob("*") if p.is_file()} or {
+        last.name: last.read_bytes()
+    }
+
+    limited = ["bash", "-c", f'ulimit -f {limit_kib} && exec ./run_single.sh "$@"']
+    command = [*limited, "bash", *SAVED, "--epochs", "3", "--output-dir", str(out)]
+    code, output, _, left = watch(command, project, {"NPROC_PER_NODE": "2"})
+    assert code == 1 and left == [], output
+    [line] = error_lines(output)
+    assert re.fullmatch(
+        rf"error: cannot write {re.escape(str(last))} \(File too large; "
+        r"[\d.]+ GB free\): left as it was",
+        line,
+    ), output
+    assert "Traceback" not in output
+    now = {p.name: p.read_bytes() for p in last.rglob("*") if p.is_file()} or {
+        last.name: last.read_bytes()
+    }
+    assert now == files  # every byte of epoch 1's
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [last.name, "metrics.csv", "model_final.pt"]
+    )  # no temporary file or folder left
+
+    # Room again: the same command goes on from epoch 1, as if never stopped.
+    (out / "model_final.pt.tmp").mkdir()  # ... but model_final.pt cannot be written
+    output = run_warm(project, out, 2, *SAVED, "--epochs", "3", expect=1)
+    assert f"resumed from {last} after epoch 1" in output
+    [line] = error_lines(output)
+    assert line.startswith(f"error: cannot write {out / 'model_final.pt'}")
+    (out / "model_final.pt.tmp").rmdir()
+    output = run_warm(project, out, 2, *SAVED, "--epochs", "3")
+    assert "resume: the run is done" in output and "done: weights" in output
+    final = load_weights(out / "model_final.pt")
+    assert max_difference(final, load_weights(straight / "model_final.pt")) < 1e-6
 
 
 # -- flags that cannot work ----------------------------------------------------------------

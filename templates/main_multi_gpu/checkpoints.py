@@ -70,10 +70,17 @@ def replacing(path, mode):
         os.replace(tmp, path)
     except (OSError, RuntimeError) as err:  # torch.save's failed writes: RuntimeError
         tmp.unlink(missing_ok=True)
-        reason = getattr(err, "strerror", None) or str(err).strip().splitlines()[0]
-        free = shutil.disk_usage(path.parent).free / 2**30
-        why = f"{reason}; {free:.1f} GB free"
-        raise failure(f"error: cannot write {path} ({why}): left as it was") from None
+        raise cannot_write(path, err) from None
+
+
+def cannot_write(path, err):
+    """The error for a write of `path` that failed with `err` (or with the OSError
+    beneath torch.save's RuntimeError): the run stops, and path stays as it was."""
+    err = err.__context__ if isinstance(err.__context__, OSError) else err
+    reason = getattr(err, "strerror", None) or str(err).strip().splitlines()[0]
+    free = shutil.disk_usage(path.parent).free / 2**30
+    why = f"{reason}; {free:.1f} GB free"
+    return failure(f"error: cannot write {path} ({why}): left as it was")
 
 
 def by_rank_0(device, task, *args):
@@ -112,7 +119,7 @@ def load_shared(path, device, verb, keys=()):
         if not isinstance(loaded, dict):
             raise TypeError(f"it holds a {type(loaded).__name__}, not a dict")
         if missing := [key for key in keys if key not in loaded]:
-            raise TypeError(f"it lacks {', '.join(missing)}")
+            raise TypeError(f"it lacks {', '.join(missing)}: another version's?")
     except Exception as err:  # torch.load raises many kinds on a corrupt file
         lines = [line for line in str(err).splitlines() if line.strip()] or [repr(err)]
         # weights_only says why in one of its lines: "unsupported GLOBAL posix.system"
@@ -212,16 +219,6 @@ def describe(processes, batch, accum):
 
 
 def resume(t, checkpoint, out_dir):
-    """restore(). A checkpoint without a field that restore() reads (saved by an
-    older version of this file: the README's "Updating this project") stops the run
-    with one line naming the field, not a KeyError's traceback."""
-    try:
-        return restore(t, checkpoint, out_dir)
-    except KeyError as field:  # restore() reads the checkpoint, and little else
-        raise failure(f"error: {checkpoint['path']} has no field {field}") from None
-
-
-def restore(t, checkpoint, out_dir):
     """Restore the state a checkpoint holds, trim metrics.csv to its updates, and
     return the Position training goes on from."""
     at, carried = Position(), (0.0, 0.0)

@@ -6,7 +6,7 @@ def parse_args(argv=None):
     starts: one line, exit status 2."""
 {% if fsdp %}
     # FSDP2 trains from torch 2.7 on: 2.6's fails on a CPU, earlier ones lack it.
-    if fully_shard is None or not hasattr(torch.cpu.Stream, "record_event"):
+    if not (hasattr(fsdp, "fully_shard") and hasattr(torch.cpu.Stream, "record_event")):
         needs = "error: parallelism=fsdp2 needs torch 2.7 or newer"
         raise failure(f"{needs}, not {torch.__version__}", status=2)
 {% endif %}

@@ -55,6 +55,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 {% if fsdp %}
+from torch.distributed import fsdp  # FSDP2's: 2.7 and newer (see parse_args)
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -110,15 +111,4 @@ from torch.utils.data import (
 {% endif %}
 from torch.utils.data._utils.pin_memory import pin_memory
 from tqdm import tqdm
-{% if fsdp %}
-
-try:  # FSDP2, in torch 2.6 and newer (parse_args() refuses an older torch)
-    from torch.distributed.fsdp import (
-        MixedPrecisionPolicy,
-        fully_shard,
-        register_fsdp_forward_method,
-    )
-except ImportError:
-    fully_shard = None
-{% endif %}
 

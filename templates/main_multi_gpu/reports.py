@@ -222,7 +222,8 @@ class Trackers:
             values = {f"{k} {at}": v for k, v in changed.items()} if run_id else config
             begin = functools.partial(TRACKERS[name], run_id, values, out_dir, args)
             calls = queue.SimpleQueue()
-            thread = threading.Thread(target=self.serve, args=(name, begin, calls), daemon=True)
+            thread = threading.Thread(target=self.serve, args=(name, begin, calls))
+            thread.daemon = True  # one still busy at the end ends with this process
             self.threads[name] = thread, calls
             thread.start()
 
@@ -343,7 +344,7 @@ def mlflow_uri(out_dir):
 def report_outputs(out_dir, evaluated, trackers):
     """One line at the end: where the results are, and how to look at them."""
     parts = [f"weights {out_dir}/model_final.pt"]
-    parts += [f"evaluated weights {out_dir}/model_final_{name}.pt" for name in evaluated]
+    parts += [f"evaluated {out_dir}/model_final_{name}.pt" for name in evaluated]
     parts.append(f"metrics {out_dir}/metrics.csv")
     views = {
         "tensorboard": f"tensorboard --logdir {out_dir / 'tensorboard'}",

@@ -7,7 +7,7 @@ AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def run(args):
-    """One process's life: join the group, train (or check), always leave the group.
+    """One process's life: join the group, train (or check), stop what it started.
     Returns the exit status: 0; 1 when another rank was lost; 1 or 2 after a clear
     error line (failure()); or 128 + the signal that stopped training."""
     keep_freed_memory()  # before any tensor, and so before any DataLoader worker
@@ -45,13 +45,15 @@ def run(args):
             report_lost_peer(err)
         else:  # an error raised here, in your code as a rule
             report_error(err)
-        return 1  # and no destroy_process_group(): it would wait for the lost rank
+        return 1
     except SystemExit as stop:  # failure(): rank 0 has said why
         status = stop.code
     finally:
         WATCH.stop()
         stop_children()
-    dist.destroy_process_group()
+    # No destroy_process_group(): the process ends at once (see leave()), and that
+    # would wait for a lost rank's collective, or (gloo, torch 2.4) deadlock with a
+    # gloo thread that waits for the GIL to free the last collective's tensors.
     return status
 
 

@@ -39,7 +39,9 @@ def load_checkpoint(resume, last_path, device):
     """Return the checkpoint to resume from, or None to start fresh."""
     path = last_path if resume == "auto" else Path(resume)
     wanted = resume != "never" and (resume != "auto" or path.exists())
-    keys = ["model", "optimizer", "epoch", "global_batch"]  # a checkpoint's, at least
+    # What a resume reads (the checkpoints of other versions of this file may differ)
+    keys = ["model", "optimizer", "scheduler", "scaler", "train_sums", "global_batch"]
+    keys += ["total_updates", "args", "stream_shards", *asdict(Position())]
     checkpoint = load_shared(path if wanted else None, device, "resume from", keys)
     return None if checkpoint is None else checkpoint | {"path": str(path)}
 {%- endmacro %}

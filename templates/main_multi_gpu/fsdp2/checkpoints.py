@@ -33,7 +33,13 @@ def save_checkpoints(t, at, names):
         shutil.rmtree(tmp, ignore_errors=True)  # what a crash left
         tmp.mkdir(parents=True)
     dist.barrier()  # before anyone writes into it
-    dcp.save(shards, checkpoint_id=tmp, planner=RANK_0_WRITES_REPLICAS)
+    try:
+        dcp.save(shards, checkpoint_id=tmp, planner=RANK_0_WRITES_REPLICAS)
+    except dcp.CheckpointException as err:  # a rank's write failed: all say so
+        shutil.rmtree(tmp, ignore_errors=True)  # (its room back: the disk may be full)
+        errors = [error for error, _ in err.failures.values()]  # each failed rank's
+        error = next((e for e in errors if isinstance(e, OSError)), errors[0])
+        raise cannot_write(out_dir / names[0], error) from None
     by_rank_0(t.device, commit, state, tmp, [out_dir / name for name in names])
 
 
@@ -83,7 +89,9 @@ def load_checkpoint(resume, last_path, device):
         path = moved_aside
     wanted = resume != "never" and (resume != "auto" or path.exists())
     state = path / "train_state.pt"
-    keys = ["optimizer", "epoch", "global_batch"]  # a checkpoint's, at least
+    # What a resume reads (the checkpoints of other versions of this file may differ)
+    keys = ["optimizer", "scheduler", "scaler", "train_sums", "global_batch", "args"]
+    keys += ["total_updates", "stream_shards", *asdict(Position())]
     checkpoint = load_shared(state if wanted else None, device, "resume from", keys)
     return None if checkpoint is None else checkpoint | {"path": str(path)}
 

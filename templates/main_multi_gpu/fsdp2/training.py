@@ -114,9 +114,9 @@ def build_sharded(args, device):
     with torch.device("meta"):
         sharded = Step(build_model(args))
     for block in reversed(sharded_blocks(sharded.model)):  # inner blocks first
-        fully_shard(block, **precision(block, args))
-    fully_shard(sharded)
-    register_fsdp_forward_method(sharded, "metrics")
+        fsdp.fully_shard(block, **precision(block, args))
+    fsdp.fully_shard(sharded)
+    fsdp.register_fsdp_forward_method(sharded, "metrics")
     sharded.to_empty(device=device)
     nn.init.zeros_(sharded.units)
     for name, buffer in sharded.model.named_buffers():  # whole on every rank
@@ -148,7 +148,7 @@ def precision(module, args):
     if args.amp != "bf16" or any(isinstance(m, batch_norm) for m in module.modules()):
         return {}
     float32 = torch.float32
-    policy = MixedPrecisionPolicy(torch.bfloat16, float32, output_dtype=float32)
+    policy = fsdp.MixedPrecisionPolicy(torch.bfloat16, float32, output_dtype=float32)
     return {"mp_policy": policy}
 
 
