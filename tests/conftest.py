@@ -386,8 +386,8 @@ def compute_loss(model, batch):
 def replace_user_functions(project, source):
     """Replace, wholesale, each of the five functions a user edits that `source`
     defines, as a user adapting the project would; `source`'s other statements
-    (imports, helpers) go before them. Nothing else in the script changes: the five
-    must be one block of it."""
+    (imports, settings, helper classes and functions) go before them. Nothing else
+    in the script changes: the five must be one block of it."""
     script = project / "main_multi_gpu.py"
     code = script.read_text()
     lines = code.splitlines(keepends=True)
@@ -403,8 +403,9 @@ def replace_user_functions(project, source):
     assert len(inside) == len(USER_FUNCTIONS), "the five are not one block"
 
     new = ast.parse(source).body
-    theirs = {n.name: n for n in new if isinstance(n, ast.FunctionDef)}
-    assert theirs and set(theirs) <= set(USER_FUNCTIONS), sorted(theirs)
+    # The five among its functions; the others are helpers of theirs.
+    theirs = {n.name: n for n in new if getattr(n, "name", 0) in USER_FUNCTIONS}
+    assert theirs, [getattr(n, "name", "") for n in new]
     source_lines = source.splitlines(keepends=True)
 
     def text(node, lines):

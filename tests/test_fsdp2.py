@@ -207,10 +207,10 @@ def test_a_crash_while_saving_keeps_the_previous_folder_and_a_nan_saves_nothing(
     crash = fsdp_project(tmp_path, "crash", save_strategy="last")
     edit(
         crash,
-        "    dcp.save(shards, checkpoint_id=tmp, planner=RANK_0_WRITES_REPLICAS)\n",
-        "    dcp.save(shards, checkpoint_id=tmp, planner=RANK_0_WRITES_REPLICAS)\n"
-        "    if at.epoch == 2:\n"
-        "        os.kill(os.getpid(), signal.SIGKILL)\n",
+        "        dcp.save(shards, checkpoint_id=tmp, planner=RANK_0_WRITES_REPLICAS)\n",
+        "        dcp.save(shards, checkpoint_id=tmp, planner=RANK_0_WRITES_REPLICAS)\n"
+        "        if at.epoch == 2:\n"
+        "            os.kill(os.getpid(), signal.SIGKILL)\n",
     )
     out = tmp_path / "out"
     command = ["./run_single.sh", *RUN, "--batch-size", "8", "--output-dir", str(out)]

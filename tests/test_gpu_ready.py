@@ -117,22 +117,20 @@ def test_an_update_calls_no_collective_of_its_own(tmp_path, parallelism):
         assert len(calls) <= 40, calls
 
 
-def test_the_wrapped_step_is_wholly_on_the_training_device(tmp_path, monkeypatch):
+def test_the_trained_step_is_wholly_on_the_training_device(tmp_path):
     """DDP refuses a module with parameters on two kinds of device: the Step it wraps
-    (the model and the units) goes to the training device whole. The meta device
-    stands for a GPU here; DDP itself is replaced by a recorder."""
+    (the model and the units) goes to the training device whole (and trains as it is
+    in a process alone). The meta device stands for a GPU here."""
     module = load_module(bake(tmp_path))
-    wrapped = []
-    monkeypatch.setattr(module, "DDP", lambda step, **_: wrapped.append(step) or step)
     store = torch.distributed.HashStore()
     torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         args = module.parse_args(["--num-workers", "0", "--output-dir", str(tmp_path)])
-        module.build_training(args, torch.device("meta"), None)
+        t = module.build_training(args, torch.device("meta"), None)
     finally:
         torch.distributed.destroy_process_group()
-    [step] = wrapped
-    devices = {name: p.device.type for name, p in step.named_parameters()}
+    assert t.ddp_model is t.step  # alone: no DDP wrapper
+    devices = {name: p.device.type for name, p in t.step.named_parameters()}
     assert set(devices.values()) == {"meta"}, devices
     assert "units" in devices
 

@@ -12,6 +12,7 @@ weights agree.
 - an EMA of the weights declared with keep(), evaluated and saved beside the model."""
 
 import math
+import shutil
 
 import pytest
 import torch
@@ -244,6 +245,10 @@ def test_an_ema_is_kept_evaluated_and_saved(tmp_path):
     )
     assert "resumed from" in output and "after epoch 1" in output, output
     assert max_difference(final(killed, "model_final_ema.pt"), ema) < 1e-6
+    # The done line names the evaluated weights beside the trained ones.
+    [done] = [line for line in output.splitlines() if line.startswith("done: ")]
+    files = f"{killed}/model_final.pt, evaluated {killed}/model_final_ema.pt, metrics"
+    assert done.startswith(f"done: weights {files}"), done
 
     # A checkpoint saved before the EMA was added: one line, not a KeyError.
     plain = bake(tmp_path / "plain")
@@ -256,6 +261,37 @@ def test_an_ema_is_kept_evaluated_and_saved(tmp_path):
         "--resume never or another --output-dir"
     )
     assert error_lines(output) == [line], output
+
+
+def test_distillation_from_a_frozen_teacher(tmp_path):
+    """The README's recipe: the default model trained first is the teacher of a
+    student (the default model without BatchNorm). 2 x 8 equals 1 x 16, which the
+    teacher's BatchNorm allows only in eval mode (its running statistics, not each
+    batch's); the teacher is in no checkpoint; a SIGTERM resume ends the same; and
+    the student learns from it (other weights than without it)."""
+    teacher = bake(tmp_path / "teacher")
+    train(teacher, tmp_path / "t", 1, "--epochs", "2", "--batch-size", "16")
+    project = recipe(tmp_path, "TEACHER_WEIGHTS")
+    shutil.copy(tmp_path / "t" / "model_final.pt", project / "teacher.pt")
+    # The student without BatchNorm (build_model's; build_teacher's, above it, stays).
+    script = project / "main_multi_gpu.py"
+    head, mark, student = script.read_text().partition("\ndef build_model(")
+    for channels in (32, 64):
+        student = student.replace(f"nn.BatchNorm2d({channels}),", "nn.Identity(),", 1)
+    script.write_text(head + mark + student)
+    act_after_step(project)
+    args = ["--epochs", "2", "--lr", "0.05"]
+    a = two_equal_one(project, tmp_path, args, 8)
+    assert list(final(a)) == list(start_weights(project))  # the student's alone
+    assert list(final(a, "checkpoint_last.pt")["model"]) == list(final(a))
+    c = tmp_path / "c"
+    stopped(project, c, *args, "--batch-size", "8")
+    train(project, c, 2, *args, "--batch-size", "8")
+    assert max_difference(final(c), final(a)) < 1e-6
+    plain = bake(tmp_path / "plain")
+    without_batchnorm(plain)
+    train(plain, tmp_path / "p", 2, *args, "--batch-size", "8")
+    assert max_difference(final(tmp_path / "p"), final(a)) > 1e-3  # it was taught
 
 
 def test_a_gan_drawing_its_noise_resumes_mid_pass_exactly(tmp_path):
