@@ -129,15 +129,14 @@ def test_time_breakdown_and_tensorboard(tmp_path):
 
     # Epoch 1's row comes before its end-of-epoch save: 3 saves; epoch 2's, 4.
     for row, saves in zip(metrics(out_dir), (3, 4), strict=True):
-        parts = [float(row[key]) for key in ("data_s", "compute_s", "optimizer_s")]
-        assert min(parts) >= 0 and parts[1] > 0 and parts[2] > 0
+        parts = [float(row[key]) for key in ("data_s", "compute_s")]
+        assert min(parts) >= 0 and parts[1] > 0
         assert sum(parts) < SAVE_S, row
         trained_s = 64 / float(row["samples_per_s"])  # --train-size 64: an epoch
         assert float(row["epoch_s"]) - trained_s > saves * SAVE_S, row
-        assert trained_s >= sum(parts) - 1e-3, row
+        assert trained_s == pytest.approx(sum(parts), abs=1e-4), row
 
-    tensorboard = f"view: tensorboard --logdir {out_dir / 'tensorboard'}"
-    assert output.count(f"metrics {out_dir / 'metrics.csv'}, {tensorboard}\n") == 1
+    assert output.count(f"metrics {out_dir / 'metrics.csv'}\n") == 1
 
     events = EventAccumulator(str(out_dir / "tensorboard"))
     events.Reload()

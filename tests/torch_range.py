@@ -90,7 +90,7 @@ WARNINGS = set()  # the warning lines the jobs of a release printed
 
 
 def venv(version, root):
-    """The virtual environment of this torch release: made once (torch, NumPy, tqdm,
+    """The virtual environment of this torch release: made once (torch and NumPy,
     as the generated requirements.txt asks), then reused."""
     path = root / f"torch-{version}"
     python = path / "bin" / "python"
@@ -107,7 +107,7 @@ def venv(version, root):
     # for: this environment asks the registry alone.
     env = {**os.environ, "PIP_CONFIG_FILE": os.devnull}
     install = [str(python), "-m", "pip", "install", "-q", "--no-cache-dir"]
-    install += [f"torch=={version}", "numpy", "tqdm"]
+    install += [f"torch=={version}", "numpy"]
     print(f"torch {version}: installing into {path}", flush=True)
     subprocess.run(install, check=True, env=env)
     return path

@@ -51,8 +51,7 @@ def leave(status):
     # wait for the threads that are not daemons, run the atexit handlers.
     threading._shutdown()
     atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()  # a line not yet ended
+    sys.stdout.flush()  # (stderr writes each line through)
     os._exit(status)
 
 

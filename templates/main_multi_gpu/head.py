@@ -37,7 +37,6 @@ import sys
 import threading
 import time
 import traceback
-import types
 import warnings
 from collections.abc import Mapping, Sized
 from dataclasses import asdict, dataclass, fields
@@ -110,5 +109,4 @@ from torch.utils.data import (
 )
 {% endif %}
 from torch.utils.data._utils.pin_memory import pin_memory
-from tqdm import tqdm
 

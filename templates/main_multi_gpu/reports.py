@@ -2,8 +2,8 @@
 # Reports: progress, metrics.csv, the time per epoch, the trackers, preflight
 # --------------------------------------------------------------------------------------
 class Reports(contextlib.ExitStack):
-    """Everything a run reports besides the training itself: the progress bar, where
-    the time goes, metrics.csv, the trackers and the line per evaluation. Every rank
+    """Everything a run reports besides the training itself: where the time goes,
+    metrics.csv, the trackers and the line per evaluation. Every rank
     times its own steps; rank 0 alone shows and writes. What it starts ends with the
     `with` block (an ExitStack)."""
 
@@ -11,24 +11,17 @@ class Reports(contextlib.ExitStack):
         super().__init__()
         self.t, self.out_dir, self.is_main = t, out_dir, dist.get_rank() == 0
         # The exit status the trackers get: a stop sets it.
-        self.progress, self.trackers, self.code = None, None, 0
-        # Every optimizer's steps are timed by hooks, a mark before each and one after:
-        # the loop carries no timing code.
-        for optimizer in t.optimizers.values():
-            self.callback(optimizer.register_step_pre_hook(self.mark_update).remove)
-            self.callback(optimizer.register_step_post_hook(self.mark_update).remove)
+        self.trackers, self.code = None, 0
 {% if fsdp %}
         self.memory_shown = False
-        self.callback(optimizer.register_step_post_hook(self.show_memory).remove)
+        for optimizer in t.optimizers.values():
+            self.callback(optimizer.register_step_post_hook(self.show_memory).remove)
 {% endif %}
         if t.args.tracker:  # rank 0's (they start in the background)
             self.trackers = by_rank_0(t.device, Trackers, t, out_dir, at.step)
             if self.trackers:  # ended with the right status however the run ends
                 self.push(lambda err, *_: self.trackers.end(1 if err else self.code))
         self.start_interval()
-
-    def mark_update(self, *_):  # before an optimizer's step, and after it
-        self.updates.append(self.mark())
 {% if fsdp %}
 
     def show_memory(self, optimizer, *_):
@@ -51,26 +44,17 @@ class Reports(contextlib.ExitStack):
         print0(line)
 {% endif %}
 
-    def mark(self):
-        """A point in time; on GPU, an event queued on the stream: no wait for it."""
-        if self.t.device.type != "cuda":
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
     def start_interval(self):
-        """From here on the next row's numbers: time, samples, steps, updates."""
+        """From here on the next row's numbers: time, samples, data wait."""
         self.since, self.data_s, self.samples = time.perf_counter(), 0.0, 0
-        self.steps, self.updates, self.step = [], [], None
-        self.trained, self.aside_s = self.since, 0.0
+        self.trained, self.aside_s, self.stepping = self.since, 0.0, False
 
     def step_done(self):
-        """The step under way, if any, ends here: time it, and note when training
-        stopped for the row."""
-        if self.step is not None:
-            self.steps.append((self.step, self.mark()))
-            self.step, self.trained = None, time.perf_counter()
+        """The step under way, if any, ends here: training stopped for the row. (On a
+        GPU the CPU runs ahead; the check before an evaluation waits for the GPU, so a
+        row's training time is right.)"""
+        if self.stepping:
+            self.stepping, self.trained = False, time.perf_counter()
 
     @contextlib.contextmanager
     def aside(self):
@@ -83,28 +67,18 @@ class Reports(contextlib.ExitStack):
     def batches(self, data, at):
         """The pass's (batch, ...) tuples from `data`, timed: the wait for each
         batch, and each step from its batch to the next request; and counted."""
-        args, per_step = self.t.args, self.t.args.batch_size * dist.get_world_size()
-        of = "" if args.max_steps else f"/{args.epochs}"
         done = at.epoch_samples  # samples of the pass done, over all ranks
-        with tqdm(  # the bar, closed also when the loop stops early (a stop, an error)
-            total=self.t.steps_per_pass,
-            initial=at.epoch_samples // per_step,
-            desc=f"epoch {at.epoch + 1}{of}",
-            leave=False,
-            disable=not (self.is_main and sys.stderr.isatty()),
-        ) as self.progress:
-            while True:
-                tick = time.perf_counter()
-                item = next(data, None)
-                self.data_s += time.perf_counter() - tick
-                if item is None:
-                    break
-                self.step = self.mark()
-                WATCH.beats += 1
-                self.samples, done = self.samples + item[2] - done, item[2]
-                yield item
-                self.step_done()
-                self.progress.update()
+        while True:
+            tick = time.perf_counter()
+            item = next(data, None)
+            self.data_s += time.perf_counter() - tick
+            if item is None:
+                return
+            self.stepping = True
+            WATCH.beats += 1
+            self.samples, done = self.samples + item[2] - done, item[2]
+            yield item
+            self.step_done()
 
     def row(self, at, metrics):
         """An evaluation's row in metrics.csv (and the trackers), and its line: the
@@ -117,10 +91,6 @@ class Reports(contextlib.ExitStack):
 
     def write(self, at, train_loss, metrics):
         """Rank 0: the row into metrics.csv and the trackers, and as a line."""
-        if self.t.device.type == "cuda":
-            torch.cuda.synchronize()  # the events above have all happened
-        step_s = sum(seconds(a, b) for a, b in self.steps)
-        optimizer_s = sum(map(seconds, self.updates[::2], self.updates[1::2]))
         trained_s = self.trained - self.since - self.aside_s  # saves left out
         epoch = at.epoch if not at.epoch_samples else at.epoch + 1  # done, or under way
         row = {"epoch": epoch, "step": at.step, "train_loss": train_loss}
@@ -133,8 +103,7 @@ class Reports(contextlib.ExitStack):
             "samples_per_s": self.samples / trained_s,
             "epoch_s": time.perf_counter() - self.since,
             "data_s": self.data_s,
-            "compute_s": step_s - optimizer_s,
-            "optimizer_s": optimizer_s,
+            "compute_s": trained_s - self.data_s,
         }
         path = self.out_dir / "metrics.csv"  # a column new in it joins the header
         write_metrics(path, [*read_metrics(path), row])
@@ -156,10 +125,6 @@ def mib(tensors):
 
 
 {% endif %}
-def seconds(begin, end):  # two marks: on GPU, after torch.cuda.synchronize()
-    return end - begin if isinstance(begin, float) else begin.elapsed_time(end) / 1e3
-
-
 def start_metrics(out_dir, done):
     """Make the output folder; keep metrics.csv's rows of the updates already done
     (none on a fresh start), drop the rest."""
@@ -188,7 +153,7 @@ def write_metrics(path, rows):
         )
 
 
-TRACKER_GRACE = 30  # seconds a tracker's call may take, before a run's end leaves it
+TRACKER_GRACE = 30  # seconds a tracker may take to end, at the end of a run
 
 
 class Trackers:
@@ -216,7 +181,7 @@ class Trackers:
         at = f"from attempt {attempt} at step {step}"
         self.lock = threading.Lock()  # trackers.json is written by their threads too
         self.save(config=old | config, attempts=attempt)
-        self.names, self.threads, self.since, self.dropped = args.tracker, {}, {}, {}
+        self.threads, self.dropped = {}, {}  # by name
         for name in args.tracker:
             run_id = self.saved.get(name)
             values = {f"{k} {at}": v for k, v in changed.items()} if run_id else config
@@ -237,26 +202,22 @@ class Trackers:
         row, end (1) the run. A slow one (a server and its retries) never holds
         training up; one that raises is dropped, in one warning line, while training
         goes on, and is ended all the same once it started."""
-        self.since[name] = time.monotonic()
         try:
             run_id, *methods = begin()
             self.save(**{name: run_id})
         except Exception as err:  # noqa: BLE001 (the tracker's failure, not training's)
             return self.drop(name, err)
         for method, *args in iter(calls.get, None):
-            self.since[name] = time.monotonic()
             try:
                 if method or name not in self.dropped:
                     methods[method](*args)
             except Exception as err:  # noqa: BLE001
                 self.drop(name, err)
-            self.since[name] = None
 
     def drop(self, name, err):
         if name not in self.dropped:
             self.dropped[name] = why = (str(err).strip() or repr(err)).splitlines()[0]
-            line = f"warning: --tracker {name} failed ({why}): training goes on"
-            print(f"{line} without it", file=sys.stderr)
+            print(f"warning: --tracker {name} failed ({why}): dropped", file=sys.stderr)
 
     def log(self, row, step):
         """An evaluation's row, at its step, unless the runs have it already."""
@@ -267,13 +228,11 @@ class Trackers:
 
     def end(self, code):
         """Every run ends with the exit status (0, 128 + a stop signal, or 1), each
-        tracker given TRACKER_GRACE seconds from the start of its call under way."""
-        for _, calls in self.threads.values():
+        tracker given TRACKER_GRACE seconds to finish what is queued."""
+        for name, (thread, calls) in self.threads.items():
             calls.put((1, code))
             calls.put(None)
-        for name, (thread, _) in self.threads.items():
-            since = self.since.get(name) or time.monotonic()
-            thread.join(since + TRACKER_GRACE - time.monotonic())
+            thread.join(TRACKER_GRACE)
             if thread.is_alive():  # a daemon: it ends with this process
                 self.drop(name, f"no answer within {TRACKER_GRACE} s")
         self.threads = {}  # ended: a second end() does nothing
@@ -320,7 +279,9 @@ def mlflow_run(run_id, config, out_dir, args):
 
     for logger in ("mlflow", "alembic"):  # a new SQLite file's lines
         logging.getLogger(logger).setLevel(logging.WARNING)
-    mlflow.set_tracking_uri(mlflow_uri(out_dir))
+    # Its store: $MLFLOW_TRACKING_URI, else a SQLite file in the output folder.
+    default = f"sqlite:///{(out_dir / 'mlflow.db').absolute()}"
+    mlflow.set_tracking_uri(os.environ.get("MLFLOW_TRACKING_URI", default))
     if run_id is None:  # a new run (an old one knows its experiment)
         mlflow.set_experiment(args.experiment)
     run = mlflow.start_run(run_id, run_name=args.run_name or out_dir.name)
@@ -335,26 +296,13 @@ def mlflow_run(run_id, config, out_dir, args):
 TRACKERS = {"tensorboard": tensorboard_run, "wandb": wandb_run, "mlflow": mlflow_run}
 
 
-def mlflow_uri(out_dir):
-    """MLflow's store: $MLFLOW_TRACKING_URI, else a SQLite file in the output folder."""
-    default = f"sqlite:///{(out_dir / 'mlflow.db').absolute()}"
-    return os.environ.get("MLFLOW_TRACKING_URI", default)
-
-
 def report_outputs(out_dir, evaluated, trackers):
-    """One line at the end: where the results are, and how to look at them."""
+    """One line at the end: where the results are (the README's "Experiment
+    trackers" says how to look at each tracker's), and the trackers dropped."""
     parts = [f"weights {out_dir}/model_final.pt"]
     parts += [f"evaluated {out_dir}/model_final_{name}.pt" for name in evaluated]
     parts.append(f"metrics {out_dir}/metrics.csv")
-    views = {
-        "tensorboard": f"tensorboard --logdir {out_dir / 'tensorboard'}",
-        "mlflow": f"mlflow ui --backend-store-uri {mlflow_uri(out_dir)}",
-        "wandb": f"wandb sync {out_dir / 'wandb'}/offline-run-*",
-    }
-    if os.environ.get("WANDB_MODE") not in ("offline", "dryrun"):
-        views["wandb"] = "the run's page in W&B"
-    names, dropped = (trackers.names, trackers.dropped) if trackers else ([], {})
-    parts += [f"view: {views[name]}" for name in names if name not in dropped]
+    dropped = trackers.dropped if trackers else {}
     parts += [f"dropped: {name} ({why})" for name, why in dropped.items()]
     print("done: " + ", ".join(parts), flush=True)
 

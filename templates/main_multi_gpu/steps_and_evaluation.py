@@ -97,7 +97,7 @@ def update(t, turn):
         scheduler.step()
 
 
-def check(t, reports):
+def check(t):
     """The loop's one wait for the device, every LOG_EVERY updates and before every
     evaluation and save: every rank learns whether any rank got SIGTERM (returns
     True), or saw a loss or weights that are not finite (then the run stops, saving
@@ -110,8 +110,6 @@ def check(t, reports):
     stop, diverged = flags.tolist()
     if diverged:
         raise diverged_failure(recent, t.sums.next_step, t.sums.epoch + 1, t.device)
-    if len(recent) and not reports.progress.disable:  # the bar shows the loss
-        reports.progress.set_postfix(loss=f"{recent.mean().item():.4f}")
     t.sums.next_step += len(recent)
     return stop > 0
 

@@ -174,7 +174,7 @@ def print0(*args, **kwargs):
         print(*args, **kwargs, flush=True)
 
 
-class Training(types.SimpleNamespace):
+class Training(argparse.Namespace):
     """What the loop works with, built by build_training() (sums: by resume()), as
     t.NAME:
     - args, device: the command line; this process's device
@@ -240,10 +240,8 @@ def train(args, device):
                 return reports.code
         # (The final save inside: a failed one ends the tracker runs as failed.)
 {{ saving.final_weights() | indent(4, first=True) }}
-        evaluated = {
-            k: e.state_dict() for k, (_, e) in KEPT.items() if e is t.evaluated
-        }
-        by_rank_0(device, save_final, weights, evaluated, out_dir, reports.trackers)
+        kept = {k: e.state_dict() for k, (_, e) in KEPT.items() if e is t.evaluated}
+        by_rank_0(device, save_final, weights, kept, out_dir, reports.trackers)
     return 0
 
 
@@ -371,7 +369,7 @@ def after_update(t, at, reports, last):
     saving = t.args.save_every and at.step % t.args.save_every == 0
     if not (evaluating or saving or at.step % LOG_EVERY == 0):
         return False
-    stop = check(t, reports) and not finished(t.args, at)
+    stop = check(t) and not finished(t.args, at)
     reports.step_done()  # the step ends here: evaluations and saves are not training
 {% if strategy == "best" %}
     names = []  # the checkpoints to write
