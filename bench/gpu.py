@@ -350,6 +350,11 @@ def median_of(runs, key):
 # (what, numerator, denominator): each a (contender, amp, compile) row of the table.
 COMPARISONS = [
     (
+        "one process: the generated project ÷ the loop without DDP (bf16; >= 0.99)",
+        ("generated", "bf16", False),
+        ("handwritten_noddp", "bf16", False),
+    ),
+    (
         "DDP at world size 1 ÷ the same loop without DDP (bf16)",
         ("handwritten", "bf16", False),
         ("handwritten_noddp", "bf16", False),

@@ -78,8 +78,9 @@ def parse_args():
     )
     parser.add_argument(
         "--contenders",
-        default="handwritten,generated,accelerate,fabric",
-        help="comma-separated subset of: " + ", ".join(CONTENDERS),
+        help="comma-separated subset of: " + ", ".join(CONTENDERS) + " (default: "
+        "handwritten,generated,accelerate,fabric, and handwritten_noddp first with "
+        "--nproc 1)",
     )
     parser.add_argument(
         "--malloc-env",
@@ -480,6 +481,14 @@ def targets(runs, names):
         checks.append(
             ("first step: generated / hand-written <= 1.10", ratio, 1.1, "<=")
         )
+    if {"generated", "handwritten_noddp"} <= set(names):  # one process
+        ratio = paired_ratio(runs, "generated", "handwritten_noddp", key)
+        text = "one process: generated / no-DDP loop >= 0.98"
+        checks.append((text, ratio, 0.98, ">="))
+        cpu = "steady_cpu_ms_per_step"
+        ratio = paired_ratio(runs, "generated", "handwritten_noddp", cpu)
+        text = "one process: rank-0 CPU per step, generated / no-DDP loop <= 1.02"
+        checks.append((text, ratio, 1.02, "<="))
     if {"generated", "generated_fsdp2"} <= set(names):  # reported, no target
         ratio = paired_ratio(runs, "generated_fsdp2", "generated", key)
         text = "steady: fsdp2 / ddp, the default model (no target: FSDP2 saves memory)"
@@ -603,6 +612,10 @@ def update_readme(path, table):
 
 def main():
     args = parse_args()
+    if args.contenders is None:  # one process: the loop without DDP is the yardstick
+        one = args.nproc == 1
+        args.contenders = "handwritten_noddp," * one + "handwritten,generated,"
+        args.contenders += "accelerate,fabric"
     names = [n.strip() for n in args.contenders.split(",") if n.strip()]
     reexec_in_venv(names)
     import torch

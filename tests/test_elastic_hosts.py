@@ -9,6 +9,7 @@ import contextlib
 import itertools
 import os
 import subprocess
+import sys
 import time
 
 import pytest
@@ -221,6 +222,40 @@ def test_a_lost_host_leaves_the_others_training_to_the_same_end(
         assert "  rank 2: no answer (its Python is blocked)" in output, output
     print(f"host 2 {how}: training again after {took:.1f} s")
     assert took < (30 if how == "killed" else 60)  # cut: the hang watch, 10 s, first
+
+
+@contextlib.contextmanager
+def busy(per_core=3):
+    """Processes that keep every core busy, `per_core` of them a core, as a machine
+    whose DataLoader workers and other jobs share its CPU several times over."""
+    count = per_core * (os.cpu_count() or 1)
+    loops = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        for _ in range(count)
+    ]
+    try:
+        yield
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
+
+
+@needs_netns
+def test_a_busy_machine_is_not_a_lost_one(project, straight, tmp_path):
+    """Host 2 killed after update 5, with three busy processes a core beside the job:
+    hosts 0 and 1, slowed down, are neither lost nor take the other for lost; they
+    go on from update 4 and end as the straight run on three processes."""
+    out = tmp_path / "out"
+    with hosts(3) as three, busy():
+        job = Job(project, out, three)
+        took, codes, output = survivors_go_on(job, three, 2, tmp_path / "lost")
+    assert codes == [0, 0], output
+    assert_same_end(out, straight(3))
+    assert output.count(KEPT) == 1 and "lost the rendezvous" not in output, output
+    assert "Traceback" not in output
+    print(f"host 2 killed, CPU busy: training again after {took:.1f} s")
+    assert took < 45
 
 
 @needs_netns

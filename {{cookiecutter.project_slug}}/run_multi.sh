@@ -148,9 +148,12 @@ if [[ -z "${elastic}" ]]; then
   torchrun+=" --rdzv-conf=timeout=${DIST_TIMEOUT}"
 else
   # torchrun's c10d rendezvous (main_multi_gpu.py names it "elastic": it tells the
-  # workers each round), with a new round formed within seconds of a change.
+  # workers each round), with a new round formed within seconds of a change. A
+  # machine is dropped from the rendezvous after 12 s without a heartbeat (one each
+  # 2 s): a lost one is noticed at once anyway (its sockets close), and a busy one
+  # (its CPU shared several times over) is not taken for lost.
   conf="join_timeout=${DIST_TIMEOUT},last_call_timeout=2"
-  conf+=",keep_alive_interval=2,keep_alive_max_attempt=3"
+  conf+=",keep_alive_interval=2,keep_alive_max_attempt=6"
   if [[ -n "${RDZV_FILE:-}" ]]; then
     where="file ${RDZV_FILE}"
     torchrun+=" --rdzv-endpoint=${RDZV_FILE} --rdzv-conf=${conf},store_type=file"
