@@ -44,6 +44,11 @@ def parse_args():
     parser.add_argument("--steps", type=int, default=30, help="steps a pass")
     parser.add_argument("--rounds", type=int, default=100)
     parser.add_argument("--tiny", action="store_true", help="a one-layer model")
+    parser.add_argument(
+        "--no-ddp",
+        action="store_true",
+        help="the hand-written loop without DDP (as the project trains one process)",
+    )
     return parser.parse_args()
 
 
@@ -92,20 +97,23 @@ def project_pass(module, args, torch, tiny):
     return one_pass, t
 
 
-def handwritten_pass(module, t, torch):
-    """The hand-written loop on the project's data, model and loss."""
+def handwritten_pass(module, t, torch, ddp=True):
+    """The hand-written loop on the project's data, model and loss (in DDP, or not)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    model = DDP(module.build_model(t.args))
-    model.broadcast_buffers = False  # as the project at world size 1
+    model = module.build_model(t.args)
+    if ddp:
+        model = DDP(model)
+        model.broadcast_buffers = False  # as the project at world size 1 did
     optimizer = torch.optim.SGD(
         model.parameters(), lr=t.args.lr, momentum=0.9, weight_decay=5e-4
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    start = copy.deepcopy((model.module.state_dict(), optimizer.state_dict()))
+    plain = getattr(model, "module", model)
+    start = copy.deepcopy((plain.state_dict(), optimizer.state_dict()))
 
     def one_pass():
-        model.module.load_state_dict(start[0])
+        getattr(model, "module", model).load_state_dict(start[0])
         optimizer.load_state_dict(start[1])
         t.train_data.set_epoch(0)
         model.train()
@@ -143,7 +151,8 @@ def main():
         module = load(name, folder)
         module.keep_freed_memory()  # the project's malloc settings, for both loops
         passes[name], t = project_pass(module, args, torch, args.tiny)
-    passes = {"handwritten": handwritten_pass(module, t, torch), **passes}
+    loop = handwritten_pass(module, t, torch, ddp=not args.no_ddp)
+    passes = {"handwritten": loop, **passes}
     gc.freeze()
     names, per_step = list(passes), {name: [] for name in passes}
     for round_ in range(args.rounds + 1):  # round 0: warm-up, not counted
@@ -153,6 +162,7 @@ def main():
             if round_:
                 per_step[name].append((marks[-1] - marks[4]) / (len(marks) - 5) * 1e6)
     model = "one linear layer (--tiny)" if args.tiny else "the project's build_model()"
+    model += ", the hand-written loop without DDP" if args.no_ddp else ""
     print(f"CPU µs a step, {args.rounds} rounds of {args.steps} steps, {model}:")
     for name in names:
         runs = per_step[name]
