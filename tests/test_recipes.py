@@ -187,6 +187,25 @@ def gan(tmp_path, **answers):
 GAN_ARGS = ["--epochs", "2", "--lr", "0.001", "--clip-grad-norm", "1.0"]
 
 
+def test_muon_on_a_torch_without_it_stops_in_one_line(tmp_path):
+    """The recipe on a torch before 2.9 (here: torch.optim.Muon taken away, as such a
+    release lacks it): one line naming the release it needs, exit 2, nothing written."""
+    project = recipe(tmp_path, "torch.optim.Muon")
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text("import torch.optim\ndel torch.optim.Muon\n")
+    out = tmp_path / "out"
+    code, output, _, left = watch(
+        ["./run_single.sh", *COMMON, "--output-dir", str(out)],
+        project,
+        {"NPROC_PER_NODE": "2", "PYTHONPATH": str(shim)},
+    )
+    assert code == 2 and left == [] and "Traceback" not in output, output
+    needs = "error: this build_optimizer needs torch.optim.Muon: torch 2.9 or newer"
+    assert error_lines(output) == [f"{needs}, not {torch.__version__}"], output
+    assert not out.exists()
+
+
 def test_a_gan_alternates_its_updates(tmp_path):
     project = gan(tmp_path)
     args = [*GAN_ARGS, "--save-every", "3"]
