@@ -321,8 +321,9 @@ def test_a_map_style_run_killed_without_warning_resumes_from_its_last_save(tmp_p
 
 def readme_block(project, marker):
     """The Python block of the generated README that contains `marker`."""
-    blocks = (project / "README.md").read_text().split("```python\n")[1:]
-    (block,) = [b.partition("```")[0] for b in blocks if marker in b]
+    parts = (project / "README.md").read_text().split("```python\n")[1:]
+    blocks = [part.partition("```")[0] for part in parts]  # not the prose after it
+    (block,) = [b for b in blocks if marker in b]
     return block
 
 
