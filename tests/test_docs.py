@@ -158,3 +158,23 @@ def test_the_generated_readme_says_where_the_outputs_are(tmp_path):
     assert f"\n{done}\n" in readme
     assert "tensorboard --logdir outputs/tensorboard" in readme
     assert "checkpoint_best.pt" in readme
+
+
+def test_both_readmes_show_the_range_checks_table(tmp_path):
+    """The supported-torch table comes from a run of tests/torch_range.py --write: the
+    same in this README and in a generated one, every release it names from the DDP
+    floor to the newest, each cell a tick, but FSDP2 below its floor, refused."""
+    table = (TEMPLATE / "templates" / "README" / "torch_range.md").read_text()
+    readme = (TEMPLATE / "README.md").read_text()
+    start, end = "<!-- torch-range:start -->\n", "<!-- torch-range:end -->\n"
+    assert readme[readme.index(start) + len(start) : readme.index(end)] == table
+    assert table in (bake(tmp_path) / "README.md").read_text()
+    rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| 2.")]
+    versions = [row[0].strip("| ") for row in rows]
+    assert {"2.4.1", "2.7.1", "2.11.0", "2.14.1"} <= set(versions), versions
+    for version, row in zip(versions, rows, strict=True):
+        cells = [cell.strip(" |") for cell in row[1:]]
+        fsdp2 = cells[4:8]  # the columns after DDP's four
+        below = tuple(map(int, version.split("."))) < (2, 7)
+        assert fsdp2 == ["refused: needs 2.7"] * 4 if below else fsdp2 == ["✓"] * 4
+        assert cells[:4] + cells[8:] == ["✓"] * (len(cells) - 4), (version, cells)
