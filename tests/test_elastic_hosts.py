@@ -215,7 +215,12 @@ def test_a_lost_host_leaves_the_others_training_to_the_same_end(
         for rank in (0, 1):
             line = f"[rank {rank}] elastic: lost a peer in backward, line "
             assert output.count(line) == 1, output
-            assert f"Connection closed by peer [{three[2][1]}]" in output
+        # The killed host's sockets close ("Connection closed by peer [ADDRESS]:PORT"),
+        # or are reset where data it had not read was waiting ("Read error
+        # [ADDRESS]:PORT: Connection reset by peer", seen under load): a line names it.
+        said = [x for x in output.splitlines() if "elastic: lost a peer in" in x]
+        lost = f"[{three[2][1]}]:"
+        assert any(lost in x and "by peer" in x for x in said), said
         assert "[rank 0] thread" not in output  # no stacks
     else:
         assert "hang: no progress for 10 s (--dist-timeout)" in output, output
