@@ -228,10 +228,12 @@ class Trackers:
 
     def end(self, code):
         """Every run ends with the exit status (0, 128 + a stop signal, or 1), each
-        tracker given TRACKER_GRACE seconds to finish what is queued."""
-        for name, (thread, calls) in self.threads.items():
+        tracker given TRACKER_GRACE seconds to finish what is queued. All are told
+        first, so they end side by side: a slow one holds no other's end back."""
+        for _, calls in self.threads.values():
             calls.put((1, code))
             calls.put(None)
+        for name, (thread, _) in self.threads.items():
             thread.join(TRACKER_GRACE)
             if thread.is_alive():  # a daemon: it ends with this process
                 self.drop(name, f"no answer within {TRACKER_GRACE} s")
