@@ -113,7 +113,7 @@ def handwritten_pass(module, t, torch, ddp=True):
     start = copy.deepcopy((plain.state_dict(), optimizer.state_dict()))
 
     def one_pass():
-        getattr(model, "module", model).load_state_dict(start[0])
+        plain.load_state_dict(start[0])
         optimizer.load_state_dict(start[1])
         t.train_data.set_epoch(0)
         model.train()
