@@ -29,8 +29,8 @@
 {%- endmacro %}
 
 {% macro compute_loss_doc() %}
-    `model` is your model (compiled with --compile), called inside DDP's forward pass,
-    so that DDP sees which parameters a step uses.
+    `model` is your model (compiled with --compile), called inside DDP's forward pass
+    (with more than one process), so that DDP sees which parameters a step uses.
 {%- endmacro %}
 
 {% macro compute_metrics_doc() %}
