@@ -352,6 +352,34 @@ def test_a_tracking_server_that_is_not_there_is_dropped(project, untracked, tmp_
     assert seconds < 30 + untracked + 8, (seconds, untracked)
 
 
+@needs("mlflow")
+@needs("wandb")
+def test_the_trackers_end_side_by_side(project, untracked, tmp_path):
+    """MLflow retrying a dead server (30 s at the end, then dropped) and, after it, a
+    W&B whose finish takes 20 s: both are told to end at once, so the run ends about
+    30 s after its training, not 50, with W&B finished."""
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    finished = tmp_path / "finished"
+    (shim / "sitecustomize.py").write_text(
+        "import time\n"
+        "from wandb.sdk.wandb_run import Run\n"
+        "finish = Run.finish\n"
+        "def slow(self, *args, **kwargs):\n"
+        "    time.sleep(20)\n"
+        f"    open({str(finished)!r}, 'a').write(str(kwargs) + '\\n')\n"
+        "    return finish(self, *args, **kwargs)\n"
+        "Run.finish = slow\n"
+    )
+    env = {"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{free_port()}"}
+    env |= {"WANDB_MODE": "offline", "PYTHONPATH": str(shim)}
+    out = tmp_path / "out"
+    output, seconds = timed(project, out, "--tracker", "mlflow,wandb", env=env)
+    assert_dropped(output, out, "mlflow", "no answer within 30 s")
+    assert finished.read_text() == "{'exit_code': 0}\n"
+    assert seconds < 30 + untracked + 8, (seconds, untracked)
+
+
 @needs("wandb")
 @needs("tensorboard")
 def test_a_tracker_that_raises_is_dropped_and_the_others_go_on(project, tmp_path):
