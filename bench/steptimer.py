@@ -11,6 +11,10 @@ Configuration comes from the environment, set by run.py for every contender alik
   BENCH_WARMUP     steps left out of the steady-state rate
   BENCH_SAMPLES    samples per optimizer step over all ranks (global batch)
   BENCH_LAUNCH_T0  time.time() just before run.py started the launcher
+  BENCH_PROFILE    (optional, CUDA) a folder: rank 0 records the GPU's kernels over 10
+                   steps after the warm-up (torch.profiler, CUDA activity only) and
+                   writes there what they took a step, how long the GPU sat idle, and
+                   the kernels by time (profile()); that run's rates are not the loop's
 On CUDA the hook synchronizes at three steps only (the first, the last warm-up step and
 the last step), so the timestamps there include the GPU work queued before them; the
 steps in between run exactly as the loop alone would run them.
@@ -51,14 +55,21 @@ def install(contender):
     stamps = []  # perf_counter() after each step
     rusage = {}  # (minor faults, user s, sys s), all threads, at the steady boundaries
     first_step_wall = []  # time.time() after the first step
+    profiled = os.environ.get("BENCH_PROFILE") if cuda and rank == 0 else None
+    recorder = []  # the profiler, while it records
 
     def hook(optimizer, args, kwargs):
         step = len(stamps) + 1
         if step > total:
             return
-        if cuda and step in synced:
+        if cuda and (step in synced or profiled and step in (warmup, warmup + 10)):
             torch.cuda.synchronize()
         stamps.append(time.perf_counter())
+        if profiled and step == warmup + 10 and recorder:
+            profile(recorder.pop(), stamps[-1] - stamps[warmup - 1], 10)
+        if profiled and step == warmup and warmup + 10 <= total:
+            recorder.append(torch.profiler.profile(activities=[cuda_activity]))
+            recorder[0].__enter__()
         if step in (warmup, total):
             usage = resource.getrusage(resource.RUSAGE_SELF)
             rusage[step] = (usage.ru_minflt, usage.ru_utime, usage.ru_stime)
@@ -120,6 +131,37 @@ def install(contender):
         }
         dump(result, result_path)
 
+    def profile(recorder, wall_s, steps):
+        """The recorded kernels (and copies) a step: their time, how long the GPU had
+        none running, and the 25 that took longest in all."""
+        recorder.__exit__(None, None, None)
+        events = [e for e in recorder.events() if e.device_type.name == "CUDA"]
+        spans = sorted((e.time_range.start, e.time_range.end) for e in events)
+        busy, reach = 0.0, -float("inf")  # the union of the spans, in µs
+        for start, end in spans:
+            busy += max(0.0, end - max(start, reach))
+            reach = max(reach, end)
+        by_name = {}
+        for e in events:
+            count, us = by_name.get(e.name, (0, 0.0))
+            by_name[e.name] = count + 1, us + e.time_range.end - e.time_range.start
+        kernels_ms = sum(us for _, us in by_name.values()) / steps / 1000
+        head = f"{contender}: {steps} steps, {1000 * wall_s / steps:.3f} ms a step "
+        head += f"(wall, profiled), kernels {kernels_ms:.3f} ms a step, the GPU busy "
+        head += (
+            f"{busy / steps / 1000:.3f} ms, {len(events) / steps:.0f} kernels a step"
+        )
+        lines = [head, "ms a step  calls a step  kernel"]
+        top = sorted(by_name.items(), key=lambda item: -item[1][1])[:25]
+        lines += [
+            f"{us / steps / 1000:9.3f}  {n / steps:12.1f}  {name[:110]}"
+            for name, (n, us) in top
+        ]
+        os.makedirs(profiled, exist_ok=True)
+        path = os.path.join(profiled, f"{contender}-{os.getpid()}.txt")
+        with open(path, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
     def whole(param):
         """A parameter as one tensor: an FSDP2 shard (a DTensor) gathered from every
         rank (all ranks call this at the same step)."""
@@ -133,4 +175,5 @@ def install(contender):
 
     if warmup < 1 or total <= warmup:
         raise SystemExit(f"need 1 <= warm-up steps < steps, got {warmup}, {total}")
+    cuda_activity = torch.profiler.ProfilerActivity.CUDA
     register_optimizer_step_post_hook(hook)
