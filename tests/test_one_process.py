@@ -5,13 +5,18 @@ run of several processes holds. What differs at one process is checked here:
 - a parameter the loss leaves out is named in the same line as under DDP (DDP's own
   check is gone; a scan of the gradients takes its place);
 - the hang watch names a process stuck alone;
-- a kill -9 with --save-every, then the same command: the end of a run never killed.
+- a kill -9 with --save-every, then the same command: the end of a run never killed;
+- one micro-batch an update: its loss's weight (n / batch size) cancels, so the
+  gradients are the loss's own, never divided by it (a pass over every gradient,
+  1.4% of a GPT-2 step on an H200); a stand-in step at a stream's end still weighs
+  nothing.
 What is the same whatever the number of processes is proved elsewhere, at one process
 too: 1 x 2B equal to 2 x B (test_guarantees, test_workbench, test_recipes: several
 optimizers, ALTERNATE, keep() with evaluate=, --compile with --grad-accum), resumes
 from one process to two and back in both formats (test_elastic, test_fsdp2)."""
 
 import pytest
+from test_shards import SHARDS
 
 from conftest import (
     TINY,
@@ -26,7 +31,7 @@ from conftest import (
 )
 from test_faults import watch
 from test_hangs import STUCK_IN_COMPUTE_LOSS, summary
-from test_streams import readme_block
+from test_streams import final, readme_block, stream_project
 
 # Where build_training() has made what trains: print its kind once, on rank 0.
 TRAINED = (
@@ -108,3 +113,54 @@ def test_a_kill_and_the_same_command_end_as_a_run_never_killed(tmp_path):
         max_difference(final, load_weights(tmp_path / "straight" / "model_final.pt"))
         < 1e-6
     )
+
+
+# Each division of a list of tensors in place (torch._foreach_div_), as one line.
+COUNT_DIVISIONS = """import torch
+
+_divide = torch._foreach_div_
+
+
+def _say_and_divide(tensors, *rest):
+    print("divided", len(tensors), flush=True)
+    return _divide(tensors, *rest)
+
+
+torch._foreach_div_ = _say_and_divide
+"""
+
+
+def test_one_micro_batch_an_update_leaves_the_gradients_as_they_are(tmp_path):
+    """The default project (SGD, which divides nothing itself), 8 updates: alone with
+    one micro-batch an update, no division at all; with --grad-accum 2, or with 2
+    processes, each update divides every gradient by the units' mean weight once. (1 x
+    2B equal to 2 x B, alone too: test_guarantees, test_workbench.)"""
+    project = bake(tmp_path, save_strategy="final_only")
+    edit(project, "import torch\n", COUNT_DIVISIONS)
+    alone = run_warm(project, tmp_path / "one", 1, *TINY, "--batch-size", "16")
+    accum = run_warm(project, tmp_path / "accum", 1, *TINY, "--grad-accum", "2")
+    two = run_warm(project, tmp_path / "two", 2, *TINY)
+    alone, accum, two = ([*divisions(out), out] for out in (alone, accum, two))
+    assert "done: " in alone[-1] and len(alone) == 1, alone[-1]
+    assert len(accum) == 8 + 1 and len(two) == 2 * 8 + 1, (accum[-1], two[-1])
+    # Every gradient of the optimizer's parameters (the model's) at once.
+    saved = load_weights(tmp_path / "one" / "model_final.pt")
+    parameters = sum(key.endswith((".weight", ".bias")) for key in saved)
+    assert set(accum[:-1] + two[:-1]) == {f"divided {parameters}"}, accum[-1]
+
+
+def divisions(output):
+    return [line for line in output.splitlines() if line.startswith("divided")]
+
+
+def test_a_stand_in_step_alone_moves_no_weight(tmp_path):
+    """16 shards of uneven length (3 to 18 rows) read by one process at batch 4: once
+    shards 0 to 3 have run out, the blocks of places they held are empty while other
+    shards go on, and each is a stand-in step (real False: a copy of the batch before,
+    weighing nothing). One process x 4 ends as 2 processes x 2, whose update divides
+    by the mean weight over the ranks; a stand-in trained as a real batch would not."""
+    project = stream_project(tmp_path, "shards", SHARDS, save_strategy="final_only")
+    args = ["--lr", "0.01", "--max-steps", "72", "--num-workers", "0"]  # one pass
+    run_warm(project, tmp_path / "w1", 1, *args, "--batch-size", "4")
+    run_warm(project, tmp_path / "w2", 2, *args, "--batch-size", "2")
+    assert max_difference(final(tmp_path / "w1"), final(tmp_path / "w2")) < 1e-6

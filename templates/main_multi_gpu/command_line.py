@@ -95,9 +95,7 @@ def add_training_arguments(parser):
     )
     parser.add_argument(
         "--seed",
-        type=int,
-        default=0,
-        metavar="N",
+        **count(0, least=0),
         help="initial weights and data order, the same on every rank",
     )
     parser.add_argument(

@@ -30,6 +30,7 @@ def build_training(args, device, checkpoint):
     t.val_loader = build_val_loader(val_set, args, device)
     per_step = dist.get_world_size() * args.batch_size  # samples, over all ranks
     t.global_batch = batch = per_step * args.grad_accum
+    t.alone = batch == args.batch_size  # one process, one micro-batch an update
     # Micro-batches per pass and rank, as the DataLoader makes them (the sampler pads
     # the shares to equal) or the StreamLoader; None for a stream without a length.
     size = len(train_set) if isinstance(train_set, Sized) else None

@@ -85,7 +85,8 @@ def update(t, turn):
     for optimizer in optimizers:  # --amp fp16: the true gradients, for clipping
         t.scaler.unscale_(optimizer)
     grads = [p.grad for p in params if p.grad is not None]
-    torch._foreach_div_(grads, units[0, 0].clamp(min=1e-12))  # 0 / 0: 0
+    if not t.alone:  # (alone: the micro-batch's weight was left out, see backward())
+        torch._foreach_div_(grads, units[0, 0].clamp(min=1e-12))  # 0 / 0: 0
     if args.clip_grad_norm:
         nn.utils.clip_grad_norm_(params, args.clip_grad_norm)
     for optimizer in optimizers:

@@ -188,6 +188,8 @@ class Training(argparse.Namespace):
     - steps_per_pass: micro-batches per pass and rank (None: a stream's, unknown)
     - global_batch, total_updates: samples per optimizer update, over all ranks;
       optimizer updates in the whole run
+    - alone: one process, one micro-batch an update (the global batch is
+      --batch-size): an update's gradients are its micro-batch's own (see update())
     - sums: the LossSums of the training since the last evaluation
     - trained: every parameter of the Step, whose gradients update() clears
 {% if strategy == "best" %}

@@ -63,8 +63,9 @@ warnings.filterwarnings("ignore", "TypedStorage is deprecated")
     # The loss summed over the batch's n units, at the usual scale (times n / batch
     # size, left out where that is 1: a per-sample loss); update() divides by the
     # mean weight, which the gradients' reduction brings (`units`, `ahead`: zero).
+    # Alone, that weight would cancel: left out, unless a stand-in's (0).
     total = t.scaler.scale(loss) + units
-    if torch.is_tensor(n) or n != args.batch_size:
+    if not (t.alone and real) and (torch.is_tensor(n) or n != args.batch_size):
         total = total * (n / args.batch_size)
     (total if ahead is None else total + ahead).backward()
 {%- endmacro %}
