@@ -8,6 +8,7 @@ whose statistics would depend on the split."""
 import contextlib
 import itertools
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -261,6 +262,65 @@ def test_a_busy_machine_is_not_a_lost_one(project, straight, tmp_path):
     assert "Traceback" not in output
     print(f"host 2 killed, CPU busy: training again after {took:.1f} s")
     assert took < 45
+
+
+def freeze(namespace, seconds):
+    """Stop every process of a host for `seconds` (SIGSTOP, then SIGCONT): a machine
+    whose CPU its other work takes for that long, torchrun's heartbeat thread too."""
+    found = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True)
+    pids = found.stdout.split()
+    for signum in (signal.SIGSTOP, signal.SIGCONT):
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signum)
+        time.sleep(seconds if signum == signal.SIGSTOP else 0)
+
+
+@needs_netns
+def test_a_machine_that_stalls_for_seconds_is_not_a_lost_one(
+    project, straight, tmp_path
+):
+    """Host 2 killed after update 5 and, at that moment, host 1 frozen for 8 s (every
+    process there stopped, torchrun's heartbeats too: a machine whose CPU is taken,
+    at the extreme): hosts 0 and 1 form the next round together and end as the
+    straight run on three processes."""
+    out = tmp_path / "out"
+    with hosts(3) as three:
+        job = Job(project, out, three)
+        lose_host_mid_run(job, three, 2, tmp_path / "lost")
+        freeze(three[1][0], 8)
+        codes = [job.wait(0), job.wait(1)]
+        output = job.logs()
+    assert codes == [0, 0], output
+    assert_same_end(out, straight(3))
+    assert output.count(KEPT) == 1 and "lost the rendezvous" not in output, output
+
+
+@needs_netns
+def test_a_machine_stalled_past_dist_timeout_is_not_called_the_host_lost(
+    project, tmp_path
+):
+    """As above, with DIST_TIMEOUT=10 and host 1 frozen for 25 s: host 0, which hosts
+    the rendezvous, forms no round within 10 s and ends in one line that says so (it
+    said "lost the rendezvous ... with the machine that hosts it": itself, alive).
+    Host 1, woken, finds host 0 gone and says that."""
+    out = tmp_path / "out"
+    with hosts(3) as three:
+        job = Job(project, out, three, env={"DIST_TIMEOUT": "10"})
+        lose_host_mid_run(job, three, 2, tmp_path / "lost")
+        freeze(three[1][0], 25)
+        codes = [job.wait(0), job.wait(1)]
+        host0, host1 = job.log(0), job.log(1)
+        at = f"{three[0][1]}:{job.port}"
+    assert codes == [1, 1], job.logs()
+    line = (
+        f"error: no round of the rendezvous at {at} within 10 s (DIST_TIMEOUT): "
+        "fewer than 2 machines (NNODES) joined; start the missing ones, or give a slow "
+        "one longer with DIST_TIMEOUT"
+    )
+    assert host0.count(line) == 1 and "lost the rendezvous" not in host0, host0
+    lost = f"error: lost the rendezvous at {at}, with the machine that hosts it"
+    assert host1.count(lost) == 1 and "Traceback" not in host0 + host1, host1
 
 
 @needs_netns

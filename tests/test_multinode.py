@@ -198,3 +198,20 @@ def test_without_ip_a_hint_and_it_goes_on(project, tmp_path):
     hint += "NCCL_SOCKET_IFNAME to the interface that reaches 127.0.0.1"
     assert output.splitlines()[0] == hint, output
     assert "error: MASTER_PORT" in output.splitlines()[1], output
+
+
+def test_an_elastic_job_without_enough_machines_is_one_line(tmp_path):
+    """NNODES=2:3 (elastic: torchrun) started on one machine: after DIST_TIMEOUT (5 s)
+    no round has formed, and stderr is one line saying so (torch's
+    RendezvousTimeoutError says nothing; it used to end in a traceback of ours)."""
+    project = bake(tmp_path, nodes="multi")
+    env = {"NNODES": "2:3", "NPROC_PER_NODE": "1", "DIST_TIMEOUT": "5"}
+    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    command = ["bash", "-c", "./run_multi.sh --epochs 1 2>&1 >/dev/null", "-"]
+    [(code, stderr)] = run_jobs([(command, env)], project, timeout=60)
+    assert code == 1
+    assert stderr == (
+        f"error: no round of the rendezvous at 127.0.0.1:{env['MASTER_PORT']} within "
+        "5 s (DIST_TIMEOUT): fewer than 2 machines (NNODES) joined; start the missing "
+        "ones, or give a slow one longer with DIST_TIMEOUT\n"
+    )

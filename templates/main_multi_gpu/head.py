@@ -70,6 +70,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 {% if multi %}
 from torch.distributed.elastic.rendezvous import (
     RendezvousError,
+    RendezvousTimeoutError,
     rendezvous_handler_registry,
 )
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend

@@ -76,6 +76,8 @@ def launch(options, timeout, backend):
         return 128 + stops[0]
     except (RendezvousError, dist.DistError) as err:
 {% if multi %}
+        if isinstance(err, RendezvousTimeoutError):  # (it says nothing itself)
+            raise failure(too_few_machines(parsed)) from None
         if "ELASTIC_ROUND" in os.environ:  # it had formed: its host is gone
             raise failure(
                 f"error: lost the rendezvous at {endpoint(parsed)}, with the machine "
@@ -93,6 +95,19 @@ def launch(options, timeout, backend):
 
 
 {% if multi %}
+def too_few_machines(options):
+    """The one line for a rendezvous that formed no round within DIST_TIMEOUT: fewer
+    machines than NNODES's least joined it (a lost one, or one stalled that long).
+    Its host answered all along: it is not said to be gone."""
+    least = options.nnodes.split(":")[0]
+    waited = os.environ.get("DIST_TIMEOUT", "600")
+    return (
+        f"error: no round of the rendezvous at {endpoint(options)} within {waited} s "
+        f"(DIST_TIMEOUT): fewer than {least} machines (NNODES) joined; start the "
+        "missing ones, or give a slow one longer with DIST_TIMEOUT"
+    )
+
+
 def elastic_rendezvous(params):
     """torchrun's c10d rendezvous, as run_multi.sh names it for NNODES=MIN:MAX: its
     workers keep their keys in its own store (which stays as machines come and go),
