@@ -197,3 +197,23 @@ def test_an_elastic_round_that_cannot_keep_the_global_batch_ends_the_job(tmp_pat
     )
     assert error_lines(output) == [refusal], output
     assert "Traceback" not in output
+
+
+def test_a_machine_that_joins_a_finished_job_is_told_it_is_closed(tmp_path):
+    """NNODES=1:2 with RDZV_FILE: one run_multi.sh forms a round alone and finishes,
+    which closes the rendezvous; a second one started on it afterwards ends at once in
+    one line saying so, not that a host is lost (torch's RendezvousClosedError says
+    nothing; it used to end in a traceback of ours)."""
+    project = bake(tmp_path, nodes="multi", save_strategy="final_only")
+    env = {"NNODES": "1:2", "NPROC_PER_NODE": "1", "RDZV_FILE": str(tmp_path / "rdzv")}
+    command = ["./run_multi.sh", *SHORT, "--output-dir", str(tmp_path / "out")]
+    [(code, output)] = run_jobs([(command, env)], project, timeout=90)
+    assert code == 0 and "done: " in output, output
+    [(code, output)] = run_jobs([(command, env)], project, timeout=90)
+    line = (
+        f"error: the rendezvous at {tmp_path / 'rdzv'} was closed by another machine's "
+        "torchrun (its job ended, or failed after its restarts): see that machine's "
+        "output"
+    )
+    assert code == 1 and error_lines(output) == [line], output
+    assert "Traceback" not in output

@@ -69,6 +69,8 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 {% if multi %}
 from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
     RendezvousError,
     RendezvousTimeoutError,
     rendezvous_handler_registry,

@@ -153,7 +153,7 @@ def choose_kernels(device, deterministic):
 
 def rendezvous_failed(err, address):
     """The one line for a rendezvous that failed: why, and what to check."""
-    reason = str(err).strip().splitlines()[0]
+    reason = (str(err).strip() or type(err).__name__).splitlines()[0]
 {% if spawn %}
     if "EADDRINUSE" in reason:
         return f"error: port {address} is in use; choose another --master-port"

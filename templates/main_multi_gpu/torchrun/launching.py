@@ -76,16 +76,10 @@ def launch(options, timeout, backend):
         return 128 + stops[0]
     except (RendezvousError, dist.DistError) as err:
 {% if multi %}
-        if isinstance(err, RendezvousTimeoutError):  # (it says nothing itself)
-            raise failure(too_few_machines(parsed)) from None
-        if "ELASTIC_ROUND" in os.environ:  # it had formed: its host is gone
-            raise failure(
-                f"error: lost the rendezvous at {endpoint(parsed)}, with the machine "
-                "that hosts it (MASTER_ADDR): the others cannot go on without it; "
-                "RDZV_FILE on a disk every machine shares lets any machine go"
-            ) from None
-{% endif %}
+        raise failure(elastic_failed(err, parsed)) from None
+{% else %}
         raise failure(rendezvous_failed(err, endpoint(parsed))) from None
+{% endif %}
     except ChildFailedError as error:
         rank, failed = min(error.failures.items(), key=lambda item: blame(item[1]))
         if failed.exitcode < 0:
@@ -95,17 +89,34 @@ def launch(options, timeout, backend):
 
 
 {% if multi %}
-def too_few_machines(options):
-    """The one line for a rendezvous that formed no round within DIST_TIMEOUT: fewer
-    machines than NNODES's least joined it (a lost one, or one stalled that long).
-    Its host answered all along: it is not said to be gone."""
-    least = options.nnodes.split(":")[0]
-    waited = os.environ.get("DIST_TIMEOUT", "600")
-    return (
-        f"error: no round of the rendezvous at {endpoint(options)} within {waited} s "
-        f"(DIST_TIMEOUT): fewer than {least} machines (NNODES) joined; start the "
-        "missing ones, or give a slow one longer with DIST_TIMEOUT"
-    )
+def elastic_failed(err, options):
+    """The one line for a rendezvous that failed. Only a connection to its host that
+    failed after a round had formed says the host is gone: no round within
+    DIST_TIMEOUT means too few machines joined (one lost, one stalled that long, or
+    one never started), while the host answered all along; a rendezvous closed was
+    closed by another machine's torchrun."""
+    at = endpoint(options)
+    if isinstance(err, RendezvousTimeoutError):  # (it says nothing itself)
+        least = options.nnodes.split(":")[0]
+        waited = os.environ.get("DIST_TIMEOUT", "600")
+        return (
+            f"error: no round of the rendezvous at {at} within {waited} s "
+            f"(DIST_TIMEOUT): fewer than {least} machines (NNODES) joined; start the "
+            "missing ones, or give a slow one longer with DIST_TIMEOUT"
+        )
+    if isinstance(err, RendezvousClosedError):
+        return (
+            f"error: the rendezvous at {at} was closed by another machine's torchrun "
+            "(its job ended, or failed after its restarts): see that machine's output"
+        )
+    lost = isinstance(err, (RendezvousConnectionError, dist.DistNetworkError))
+    if lost and "ELASTIC_ROUND" in os.environ:  # it had formed: its host is gone
+        return (
+            f"error: lost the rendezvous at {at}, with the machine that hosts it "
+            "(MASTER_ADDR): the others cannot go on without it; RDZV_FILE on a disk "
+            "every machine shares lets any machine go"
+        )
+    return rendezvous_failed(err, at)
 
 
 def elastic_rendezvous(params):
