@@ -352,25 +352,39 @@ def test_a_tracking_server_that_is_not_there_is_dropped(project, untracked, tmp_
     assert seconds < 30 + untracked + 8, (seconds, untracked)
 
 
+def wandb_shim(tmp_path, wait=0, log_raises=False):
+    """A folder for PYTHONPATH whose sitecustomize makes W&B's Run.finish note its
+    keyword arguments in a file, after `wait` seconds, and (log_raises) Run.log
+    raise: (the folder, the file)."""
+    shim, finished = tmp_path / "shim", tmp_path / "finished"
+    shim.mkdir()
+    lines = [
+        "import time",
+        "from wandb.sdk.wandb_run import Run",
+        "finish = Run.finish",
+        "def finished(self, *args, **kwargs):",
+        f"    time.sleep({wait})",
+        f"    open({str(finished)!r}, 'a').write(str(kwargs) + '\\n')",
+        "    return finish(self, *args, **kwargs)",
+        "Run.finish = finished",
+    ]
+    if log_raises:
+        lines += [
+            "def log(self, *args, **kwargs):",
+            "    raise RuntimeError('W&B is down')",
+            "Run.log = log",
+        ]
+    (shim / "sitecustomize.py").write_text("\n".join(lines) + "\n")
+    return shim, finished
+
+
 @needs("mlflow")
 @needs("wandb")
 def test_the_trackers_end_side_by_side(project, untracked, tmp_path):
     """MLflow retrying a dead server (30 s at the end, then dropped) and, after it, a
     W&B whose finish takes 20 s: both are told to end at once, so the run ends about
     30 s after its training, not 50, with W&B finished."""
-    shim = tmp_path / "shim"
-    shim.mkdir()
-    finished = tmp_path / "finished"
-    (shim / "sitecustomize.py").write_text(
-        "import time\n"
-        "from wandb.sdk.wandb_run import Run\n"
-        "finish = Run.finish\n"
-        "def slow(self, *args, **kwargs):\n"
-        "    time.sleep(20)\n"
-        f"    open({str(finished)!r}, 'a').write(str(kwargs) + '\\n')\n"
-        "    return finish(self, *args, **kwargs)\n"
-        "Run.finish = slow\n"
-    )
+    shim, finished = wandb_shim(tmp_path, wait=20)
     env = {"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{free_port()}"}
     env |= {"WANDB_MODE": "offline", "PYTHONPATH": str(shim)}
     out = tmp_path / "out"
@@ -385,19 +399,7 @@ def test_the_trackers_end_side_by_side(project, untracked, tmp_path):
 def test_a_tracker_that_raises_is_dropped_and_the_others_go_on(project, tmp_path):
     """W&B (offline) raises on every log: dropped in one line, and still finished;
     TensorBoard, beside it, gets every row."""
-    shim = tmp_path / "shim"
-    shim.mkdir()
-    finished = tmp_path / "finished"
-    (shim / "sitecustomize.py").write_text(
-        "from wandb.sdk.wandb_run import Run\n"
-        "def log(self, *args, **kwargs):\n"
-        "    raise RuntimeError('W&B is down')\n"
-        "finish = Run.finish\n"
-        "def finished(self, *args, **kwargs):\n"
-        f"    open({str(finished)!r}, 'a').write(str(kwargs) + '\\n')\n"
-        "    return finish(self, *args, **kwargs)\n"
-        "Run.log, Run.finish = log, finished\n"
-    )
+    shim, finished = wandb_shim(tmp_path, log_raises=True)
     env = {"WANDB_MODE": "offline", "PYTHONPATH": str(shim)}
     out = tmp_path / "out"
     output, _ = timed(project, out, "--tracker", "wandb,tensorboard", env=env)
