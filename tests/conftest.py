@@ -383,28 +383,32 @@ def compute_loss(model, batch):
 """
 
 
+# The edit zone's functions: the five, and add_arguments() for flags of the project's.
+EDITABLE = (*USER_FUNCTIONS, "add_arguments")
+
+
 def replace_user_functions(project, source):
-    """Replace, wholesale, each of the five functions a user edits that `source`
-    defines, as a user adapting the project would; `source`'s other statements
-    (imports, settings, helper classes and functions) go before them. Nothing else
-    in the script changes: the five must be one block of it."""
+    """Replace, wholesale, each of the edit zone's functions (the five a user edits,
+    add_arguments) that `source` defines, as a user adapting the project would;
+    `source`'s other statements (imports, settings, helper classes and functions) go
+    before them. Nothing else in the script changes: they must be one block of it."""
     script = project / "main_multi_gpu.py"
     code = script.read_text()
     lines = code.splitlines(keepends=True)
     ours = {
         node.name: node
         for node in ast.parse(code).body
-        if isinstance(node, ast.FunctionDef) and node.name in USER_FUNCTIONS
+        if isinstance(node, ast.FunctionDef) and node.name in EDITABLE
     }
-    assert sorted(ours) == sorted(USER_FUNCTIONS)
+    assert sorted(ours) == sorted(EDITABLE)
     first = min(node.lineno for node in ours.values())
     last = max(node.end_lineno for node in ours.values())
     inside = [n for n in ast.parse(code).body if first <= n.lineno <= last]
-    assert len(inside) == len(USER_FUNCTIONS), "the five are not one block"
+    assert len(inside) == len(EDITABLE), "the edit zone's functions are not one block"
 
     new = ast.parse(source).body
-    # The five among its functions; the others are helpers of theirs.
-    theirs = {n.name: n for n in new if getattr(n, "name", 0) in USER_FUNCTIONS}
+    # The edit zone's among its functions; the others are helpers of theirs.
+    theirs = {n.name: n for n in new if getattr(n, "name", 0) in EDITABLE}
     assert theirs, [getattr(n, "name", "") for n in new]
     source_lines = source.splitlines(keepends=True)
 

@@ -150,15 +150,92 @@ def test_the_five_functions_come_first(baked):
         body = ast.parse(code).body
         imports = [n for n in body if isinstance(n, (ast.Import, ast.ImportFrom))]
         rest = body[body.index(imports[-1]) + 1 :]
+        # The same settings in every variant: an edit zone moves between them.
         settings = ["NUM_CLASSES = 10", "FIND_UNUSED_PARAMETERS = False"]
-        settings = settings[: 1 if "parallelism:fsdp2" in case else 2]
-        settings.append("ALTERNATE = False")  # DDP's option is not FSDP2's
+        settings.append("ALTERNATE = False")
         five = rest[len(settings) : len(settings) + 5]
         assert [ast.unparse(n) for n in rest[: len(settings)]] == settings, case
         assert [n.name for n in five if isinstance(n, ast.FunctionDef)] == list(
             USER_FUNCTIONS
         ), case
         assert code.index("# EDIT HERE") < code.index("\ndef build_datasets(")
+
+
+# Packages users import in the edit zone: no module-level name of the generated file
+# may be one of them, or `import datasets` there would be replaced by the file's own.
+PACKAGES = [
+    "accelerate",
+    "albumentations",
+    "datasets",
+    "deepspeed",
+    "einops",
+    "evaluate",
+    "hydra",
+    "huggingface_hub",
+    "lightning",
+    "matplotlib",
+    "mlflow",
+    "np",
+    "numpy",
+    "omegaconf",
+    "pandas",
+    "pd",
+    "peft",
+    "PIL",
+    "plt",
+    "safetensors",
+    "scipy",
+    "sklearn",
+    "tensorboard",
+    "timm",
+    "tokenizers",
+    "torchaudio",
+    "torchmetrics",
+    "torchvision",
+    "tqdm",
+    "transformers",
+    "trl",
+    "wandb",
+    "wds",
+    "webdataset",
+    "yaml",
+]
+
+
+def test_no_module_level_name_is_a_package_users_import(baked):
+    for case in IDS:
+        code = (baked[1][case] / "main_multi_gpu.py").read_text()
+        names = set()
+        for node in ast.parse(code).body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            for child in ast.walk(node) if not hasattr(node, "name") else ():
+                if isinstance(child, ast.Name) and isinstance(child.ctx, ast.Store):
+                    names.add(child.id)
+                if isinstance(child, ast.alias):
+                    names.add((child.asname or child.name).partition(".")[0])
+        assert len(names) > 100, case
+        assert names & set(PACKAGES) == set(), case
+
+
+def test_the_edit_zone_is_the_same_code_in_every_variant(baked):
+    """From NUM_CLASSES to compute_metrics, every variant has the same code (the
+    docstrings alone say what differs): an edit zone moves unchanged between them."""
+
+    def zone(case):
+        body = ast.parse((baked[1][case] / "main_multi_gpu.py").read_text()).body
+        start = next(i for i, n in enumerate(body) if isinstance(n, ast.Assign))
+        names = [getattr(n, "name", "") for n in body]
+        end = names.index("add_arguments") + 1
+        for node in body[start:end]:
+            if isinstance(node, ast.FunctionDef) and ast.get_docstring(node):
+                node.body = node.body[1:]
+        return [ast.dump(node) for node in body[start:end]]
+
+    first = zone(IDS[0])
+    assert len(first) == 9  # the three settings, the five functions, add_arguments
+    for case in IDS[1:]:
+        assert zone(case) == first, case
 
 
 def test_ruff_check_and_format(baked):

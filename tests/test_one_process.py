@@ -16,6 +16,8 @@ optimizers, ALTERNATE, keep() with evaluate=, --compile with --grad-accum), resu
 from one process to two and back in both formats (test_elastic, test_fsdp2)."""
 
 import pytest
+import torch
+from test_run import SYNC_BN_WARNING
 from test_shards import SHARDS
 
 from conftest import (
@@ -164,3 +166,14 @@ def test_a_stand_in_step_alone_moves_no_weight(tmp_path):
     run_warm(project, tmp_path / "w1", 1, *args, "--batch-size", "4")
     run_warm(project, tmp_path / "w2", 2, *args, "--batch-size", "2")
     assert max_difference(final(tmp_path / "w1"), final(tmp_path / "w2")) < 1e-6
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's warning")
+def test_one_process_does_not_warn_about_sync_batchnorm_on_cpu(tmp_path):
+    """sync_bn on a CPU: 2 processes are told, in one line, that BatchNorm stays
+    per process; one process, which has nothing to synchronise, is told nothing."""
+    project = bake(tmp_path / "project", sync_bn=True)
+    one = run_warm(project, tmp_path / "one", 1, *TINY)
+    two = run_warm(project, tmp_path / "two", 2, *TINY)
+    assert SYNC_BN_WARNING not in one, one
+    assert two.count(SYNC_BN_WARNING) == 1, two

@@ -249,6 +249,12 @@ def test_an_ema_is_kept_evaluated_and_saved(tmp_path):
     for path in (a / "model_final_ema.pt", a / "checkpoint_last.pt"):
         output = train(project, a, 2, "--evaluate", str(path))
         assert f"val_loss {float(last['val_loss']):.6g}" in output, output
+    # The trained weights, as the README says: numbers of their own, in no row.
+    output = train(project, a, 2, "--evaluate", str(a / "model_final.pt"))
+    [line] = [x for x in output.splitlines() if x.startswith("evaluate ")]
+    val_loss = line.split("val_loss ")[1].split()[0]
+    rows = [f"{float(row['val_loss']):.6g}" for row in metrics(a)]
+    assert val_loss not in rows, (line, rows)
 
     # SIGTERM after update 2, resumed: the EMA came back with the model.
     c = tmp_path / "c"
@@ -315,10 +321,9 @@ def test_distillation_from_a_frozen_teacher(tmp_path):
 
 def test_a_gan_drawing_its_noise_resumes_mid_pass_exactly(tmp_path):
     """The README's GAN as written, its noise drawn with torch.randn in compute_loss:
-    each process's generator is seeded again at every update, so a SIGTERM after
+    each process's generator is seeded again at every micro-batch, so a SIGTERM after
     update 2 (saved at update 3's check, in the middle of the first pass) and a resume
-    end like a run never stopped. The control: seeding only at each pass's start (as
-    before) differs."""
+    end like a run never stopped. The control: without that seeding, it differs."""
     project = recipe(tmp_path, "class GAN(")
     act_after_step(project)
     args = [*GAN_ARGS, "--batch-size", "8", "--save-every", "3"]
@@ -329,13 +334,9 @@ def test_a_gan_drawing_its_noise_resumes_mid_pass_exactly(tmp_path):
     assert "in epoch 1 after 3 batches" in output, output
     straight = final(tmp_path / "straight")
     assert max_difference(final(cut), straight) < 1e-6
-    # The control: without the seeding at every update, the resume draws other noise.
-    edit(
-        project,
-        "        if micro % args.grad_accum == 0:  # an update begins (its batch fetched)\n"
-        "            reseed(seed + at.step * dist.get_world_size(), device)\n",
-        "",
-    )
+    # The control: without the seeding at every micro-batch, the resume draws other
+    # noise.
+    edit(project, "                reseed(t, at.step, k, i)\n", "")
     again = tmp_path / "again"
     stopped(project, again, *args)
     train(project, again, 2, *args)
@@ -352,6 +353,27 @@ def test_a_gan_under_fsdp2_and_fp16(tmp_path):
     train(project, fp16, 2, *GAN_ARGS, "--batch-size", "4", "--amp", "fp16")
     moved = max_difference(done, start_weights(project))
     assert max_difference(final(fp16), done) < 0.1 * moved
+
+
+def test_a_ddp_edit_zone_moves_unchanged_to_fsdp2_and_spawn(tmp_path):
+    """The GAN as the DDP project's README writes it (FIND_UNUSED_PARAMETERS = True
+    among its settings), pasted into an FSDP2 project started by mp.spawn on
+    "several machines": it trains there, as the FSDP2 README's own GAN does (the
+    setting has no effect under FSDP2)."""
+    ddp = bake(tmp_path / "ddp")
+    zone = readme_block(ddp, "class GAN(")
+    assert "FIND_UNUSED_PARAMETERS = True" in zone
+    project = bake(
+        tmp_path / "fsdp2", parallelism="fsdp2", launcher="spawn", nodes="multi"
+    )
+    replace_user_functions(project, zone)
+    moved = tmp_path / "moved"
+    output = train(project, moved, 2, *GAN_ARGS, "--batch-size", "4")
+    assert output.count("val_loss") == 2, output
+    theirs = recipe(tmp_path / "own", "class GAN(", parallelism="fsdp2")
+    own = tmp_path / "own-run"
+    train(theirs, own, 2, *GAN_ARGS, "--batch-size", "4")
+    assert max_difference(final(moved), final(own)) < 1e-6
 
 
 SGD_AND_ADAMW = '''

@@ -16,6 +16,7 @@ def parse_args(argv=None):
     add_long_run_arguments(parser.add_argument_group("long runs"))
     add_speed_arguments(parser.add_argument_group("speed and insight"))
     add_running_arguments(parser.add_argument_group("processes and machines"))
+    add_arguments(parser.add_argument_group("this project's"))  # (in EDIT HERE)
     args = parser.parse_args(argv)
     if args.tensorboard and "tensorboard" not in args.tracker:  # the older flag
         args.tracker += tracker_names("tensorboard")
@@ -101,9 +102,6 @@ def add_training_arguments(parser):
     parser.add_argument(
         "--num-workers", **count(2, least=0), help="DataLoader workers per process"
     )
-    # The built-in data's sizes: once build_datasets is yours, delete them.
-    parser.add_argument("--train-size", **count(2048), help="built-in training samples")
-    parser.add_argument("--val-size", **count(512), help="built-in validation samples")
     parser.add_argument(
         "--output-dir",
         default="outputs",
@@ -198,6 +196,7 @@ def add_speed_arguments(parser):
         help="the W&B project, the MLflow experiment",
     )
     parser.add_argument("--run-name", help="tracker runs' name (default: DIR's name)")
+    parser.add_argument("--no-progress", action="store_true", help="quiet in a pass")
 
 
 def tracker_names(text):

@@ -1,4 +1,4 @@
-def datasets(args):
+def checked_datasets(args):
     """build_datasets(), refusing in one line an empty set (a stream without a
     length: when it yields nothing), or one DataLoader workers cannot receive."""
     train_set, val_set = build_datasets(args)
@@ -25,7 +25,7 @@ def build_training(args, device, checkpoint):
 {% else %}
     t = Training(args=args, device=device)
 {% endif %}
-    train_set, val_set = datasets(args)
+    train_set, val_set = checked_datasets(args)
     t.train_data, t.train_loader = build_loader(train_set, args, device, checkpoint)
     t.val_loader = build_val_loader(val_set, args, device)
     per_step = dist.get_world_size() * args.batch_size  # samples, over all ranks
@@ -80,6 +80,7 @@ def build_loader(train_set, args, device, checkpoint):
         train_data = StreamShard(train_set, args, shards, every=args.grad_accum)
         return train_data, StreamLoader(train_data, args, device, lockstep=True)
     common = loader_options(train_set, args, device)
+    train_set = Seeded(train_set, args.seed)
     train_data = ResumableSampler(train_set, shuffle=True, seed=args.seed)
 {% if cookiecutter.use_batch_sampler %}
     batch_sampler = BatchSampler(train_data, args.batch_size, drop_last=False)
@@ -99,8 +100,9 @@ def build_val_loader(val_set, args, device):
     if isinstance(val_set, IterableDataset):
         shard = StreamShard(val_set, args, stream_shards(val_set, None, args))
         return StreamLoader(shard, args, device, lockstep={{ fsdp }})
-    shard = Subset(val_set, range(dist.get_rank(), len(val_set), dist.get_world_size()))
     options = loader_options(val_set, args, device)
+    mine = range(dist.get_rank(), len(val_set), dist.get_world_size())
+    shard = Subset(Seeded(val_set, args.seed), mine)  # (always pass 0: see Seeded)
     return DataLoader(shard, batch_size=args.batch_size, **options)
 
 
@@ -131,6 +133,7 @@ class ResumableSampler(DistributedSampler):
         """Pass `epoch`, after `samples` of it (over all ranks); a sampler needs no
         `state` to get there."""
         super().set_epoch(epoch)
+        self.dataset.set_epoch(epoch)  # (a Seeded: the dataset's own, where it has one)
         self.start = samples // self.num_replicas
 
     def __iter__(self):
@@ -138,6 +141,30 @@ class ResumableSampler(DistributedSampler):
 
     def __len__(self):
         return self.num_samples - self.start
+
+
+class Seeded(Dataset):
+    """A map-style dataset whose items draw the same random numbers (an augmentation's:
+    torch's, numpy's, Python's random) wherever they are read: before each item, they
+    are seeded from --seed, the pass and the item's index, whichever rank or DataLoader
+    worker reads it, and wherever the pass was resumed. set_epoch(epoch), before each
+    pass of the training set, calls the dataset's own where it has one (a curriculum);
+    the validation set's stays at pass 0, so every evaluation draws alike."""
+
+    def __init__(self, data, seed):
+        self.data, self.seed, self.epoch = data, seed, 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+        if hasattr(self.data, "set_epoch"):
+            self.data.set_epoch(epoch)
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, index):
+        seed_draws(mixed(self.seed, self.epoch, index))
+        return self.data[index]
 
 
 class StreamShard(IterableDataset):
@@ -161,6 +188,7 @@ class StreamShard(IterableDataset):
 
     def __init__(self, stream, args, shards, every=0):
         self.stream, self.shards, self.every = stream, shards, every
+        self.seed = args.seed  # each item's draws: from it, the pass and the place
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.width = self.world_size * args.batch_size  # places in a block
         self.workers = max(args.num_workers, 1)
@@ -218,6 +246,7 @@ class StreamShard(IterableDataset):
         for place in itertools.count(n * step + c, step):
             keep = place >= ends and hasattr(sub, "state_dict")
             state = copy.deepcopy(sub.state_dict()) if keep else None
+            seed_draws(mixed(self.seed, self.epoch, place))
             if (item := next(items, StreamShard)) is StreamShard:  # none left
                 yield math.inf, None, True
                 return

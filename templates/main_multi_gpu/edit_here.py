@@ -1,12 +1,13 @@
 # --------------------------------------------------------------------------------------
 # EDIT HERE: the five functions that make this project yours. Replace their bodies with
 # your data, model, optimizer, loss and metrics; the rest of the file works unchanged.
+# Your imports go right under this banner: ruff and isort take them as a block of their
+# own (the next line), after the template's.
 # --------------------------------------------------------------------------------------
+# isort: split
 NUM_CLASSES = 10
 # Recipes (the README's "Recipes" shows each): switch these on where yours needs them.
-{% if not fsdp %}
-FIND_UNUSED_PARAMETERS = False  # True: a step may leave parameters out of its loss
-{% endif %}
+FIND_UNUSED_PARAMETERS = False  # True: a step may leave parameters out (DDP only)
 ALTERNATE = False  # True: build_optimizer's optimizers take turns, each on its own loss
 
 
@@ -100,5 +101,15 @@ def compute_metrics(model, batch):
         "loss": (F.cross_entropy(logits, labels, reduction="sum"), n),
         "acc": ((logits.argmax(dim=1) == labels).sum(), n),
     }
+
+
+def add_arguments(parser):
+    """Flags of your own, for the functions above (a model name, a mixup strength):
+    parser.add_argument("--mixup", type=float, default=0.2, help="...") shows in
+    --help among "this project's", reaches build_* as args.mixup, and is kept in
+    checkpoints and trackers like every flag (a resume takes the command line's).
+    Here the built-in data's sizes: once build_datasets is yours, replace them."""
+    parser.add_argument("--train-size", **count(2048), help="built-in training samples")
+    parser.add_argument("--val-size", **count(512), help="built-in validation samples")
 
 

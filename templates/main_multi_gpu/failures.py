@@ -85,13 +85,28 @@ def running(pid):
 
 
 def start_fork_server():
-    """Start the DataLoader workers' fork server (torch imported) and resource tracker
-    (quiet on what an os._exit left): both ignore SIGTERM, Ctrl-C; workers hold them."""
-    multiprocessing.set_forkserver_preload(["__main__", "torch"])
+    """Start the DataLoader workers' fork server and resource tracker (quiet on what an
+    os._exit left): both ignore SIGTERM, Ctrl-C; workers hold them. The fork server
+    imports this file once, and with it what the edit zone imports: every worker of
+    every pass is a fork of it, which imports nothing again."""
+    multiprocessing.set_forkserver_preload(["__main__"])
     os.environ.setdefault("PYTHONWARNINGS", "ignore:resource_tracker:UserWarning")
+    # CPython's fork server imports __main__ only when handed its path as main_path,
+    # which get_preparation_data() stopped giving in 3.4 (gh-126631, fixed in 2025):
+    # give it, with this file's folder on the path for its neighbours (before 3.13,
+    # the fork server had no sys.path of ours).
+    spawn, environment = multiprocessing.spawn, dict(os.environ)
+    prepare = spawn.get_preparation_data
+    if main := prepare("ignore").get("init_main_from_path"):
+        spawn.get_preparation_data = lambda name: {**prepare(name), "main_path": main}
+        paths = [os.path.dirname(main), os.environ.get("PYTHONPATH")]
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
     signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)  # meanwhile held for this process
     default = {signum: signal.signal(signum, signal.SIG_IGN) for signum in STOPS}
     multiprocessing.forkserver.ensure_running()  # SIG_IGN survives its exec
+    spawn.get_preparation_data = prepare
+    os.environ.clear()
+    os.environ.update(environment)
     for signum, handler in default.items():
         signal.signal(signum, handler)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)  # delivered now, if sent
@@ -139,7 +154,7 @@ LOADER = "waits for its DataLoader workers"
 # stops at its next wait for the GPU instead. This file's functions that wait so
 # (.item(), .tolist(), a copy; train_pass and lockstep: at a stream's end, whether any
 # rank has more), and torch's: GradScaler's check for infs, clipping.
-HOST_SYNCS = {"check", "totals", "evaluate", "by_rank_0"}
+HOST_SYNCS = {"check", "totals", "run_validation", "by_rank_0"}
 {% if fsdp %}
 HOST_SYNCS |= {"broadcast_bytes", "preflight", "to_device", "train_pass", "lockstep"}
 {% else %}

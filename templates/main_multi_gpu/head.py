@@ -15,6 +15,7 @@ import ctypes
 import faulthandler
 import functools
 import gc
+import hashlib
 import importlib.util
 import io
 import itertools
@@ -25,6 +26,7 @@ import multiprocessing
 import os
 import pickle
 import queue
+import random
 import re
 import select
 {% if not spawn %}
@@ -93,6 +95,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
+    Dataset,
     DistributedSampler,
     IterableDataset,
     Subset,
@@ -103,6 +106,7 @@ from torch.utils.data import (
 {% else %}
 from torch.utils.data import (
     DataLoader,
+    Dataset,
     DistributedSampler,
     IterableDataset,
     Subset,

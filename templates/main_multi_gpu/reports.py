@@ -22,6 +22,11 @@ class Reports(contextlib.ExitStack):
             if self.trackers:  # ended with the right status however the run ends
                 self.push(lambda err, *_: self.trackers.end(1 if err else self.code))
         self.start_interval()
+        # Progress inside a pass, at each check: rank 0's, unless --no-progress.
+        self.shows = self.is_main and not t.args.no_progress
+        self.live = self.shows and sys.stdout.isatty()  # a terminal: one line, redrawn
+        self.shown = None, time.perf_counter()  # the last line's mark, and time
+        self.callback(self.end_line)
 {% if fsdp %}
 
     def show_memory(self, optimizer, *_):
@@ -80,6 +85,35 @@ class Reports(contextlib.ExitStack):
             yield item
             self.step_done()
 
+    def progress(self, at):
+        """Rank 0, at a check (with the loss so far, over all ranks): where the pass
+        and the run stand. On a terminal one line, drawn again in place; elsewhere (a
+        log, a pipe) a line every tenth of a pass or 5 minutes, whichever is first."""
+        t, now = self.t, time.perf_counter()
+        if not (self.shows and at.epoch_samples):  # (a pass's end: its row follows)
+            return
+        done = math.ceil(at.epoch_samples / t.global_batch)  # the pass's updates done
+        per_pass = t.steps_per_pass and math.ceil(t.steps_per_pass / t.args.grad_accum)
+        mark = at.epoch, 10 * done // per_pass if per_pass else 0  # the pass's tenth
+        if not self.live and mark == self.shown[0] and now - self.shown[1] < 300:
+            return  # (a stream without a length: a line every 5 minutes)
+        self.shown = mark, now
+        rate = self.samples / max(now - self.since - self.aside_s, 1e-9)  # samples/s
+
+        def left(updates):
+            return timedelta(seconds=round(updates * t.global_batch / rate))
+
+        line = f"epoch {at.epoch + 1}  update {done}/{per_pass or '?'}  {rate:.1f} "
+        line += f"samples/s  train_loss {t.sums.so_far:.4g}  left: "
+        line += f"pass {left(per_pass - done)}, " if per_pass else ""
+        line += f"run {left(t.total_updates - at.step)}"
+        print(f"\r{line}\033[K" if self.live else line, end="\n"[self.live :])
+
+    def end_line(self):
+        """Erase the live progress line (if any) before another line, or at the end."""
+        if self.live:
+            print("\r\033[K", end="", flush=True)
+
     def row(self, at, metrics):
         """An evaluation's row in metrics.csv (and the trackers), and its line: the
         training since the previous row (its steps; saves left out), then the
@@ -113,6 +147,7 @@ class Reports(contextlib.ExitStack):
         head = f"epoch {epoch}/{args.epochs}  step {step}"
         if args.max_steps:  # the run's length in steps
             head = f"step {step}/{args.max_steps}  epoch {epoch}"
+        self.end_line()
         print(f"{head}  {one_line(row)}", flush=True)
 
 

@@ -107,11 +107,13 @@ def check(t):
 {{ par.local_weights() }}
     finite = torch.stack([each.isfinite().all() for each in (recent, *weights)]).all()
     flags = torch.stack([finite.new_tensor(STOP_SIGNAL is not None), ~finite]).double()
+    flags = torch.cat([flags, t.sums.sums])  # and the loss so far, for the progress
     dist.all_reduce(flags)
-    stop, diverged = flags.tolist()
+    stop, diverged, loss_sum, units = flags.tolist()
     if diverged:
         raise diverged_failure(recent, t.sums.next_step, t.sums.epoch + 1, t.device)
     t.sums.next_step += len(recent)
+    t.sums.so_far = loss_sum / units if units else math.nan
     return stop > 0
 
 
@@ -158,7 +160,7 @@ def where(at, batch_size):
 
 
 @torch.no_grad()
-def evaluate(model, loader, device):
+def run_validation(model, loader, device):
     """compute_metrics over the whole validation set, exact for any world size: each
     metric's sum and n are added up over batches and ranks, then divided."""
     model.eval()
@@ -213,7 +215,7 @@ def evaluate_saved(args, device):
     PATH (model_final.pt, or a checkpoint's); one line of metrics, nothing written."""
     path = Path(args.evaluate)
 {{ par.load_for_evaluation() }}
-    metrics = evaluate(model, build_val_loader(val_set, args, device), device)
+    metrics = run_validation(model, build_val_loader(val_set, args, device), device)
     print0(f"evaluate {path}  {one_line(metrics, 'val_')}")
     return 0
 

@@ -238,6 +238,7 @@ def train(args, device):
     with Reports(t, at, out_dir) as reports:
         while not finished(args, at):
             if train_pass(t, at, reports):  # a stop signal: saved, so stop
+                reports.end_line()
                 reports.code = stopped(last_path, at, args.batch_size)
                 return reports.code
         # (The final save inside: a failed one ends the tracker runs as failed.)
@@ -273,11 +274,6 @@ def train_pass(t, at, reports):
     save). Returns True when a stop signal asks to stop, after saving."""
     args, device = t.args, t.device
     t.{{ par.wrapper }}.train()
-    # Per-rank randomness in the training process (dropout, noise drawn in your
-    # functions) is seeded at the pass's start and at every update's, from the updates
-    # done: a resume, even in the middle of a pass, draws what a run never stopped.
-    seed = args.seed + dist.get_rank()
-    reseed(seed + at.step * dist.get_world_size(), device)
     t.sums.epoch = at.epoch
     t.sums.next_step = at.epoch_samples // (args.batch_size * dist.get_world_size())
     # An update steps every optimizer; with ALTERNATE, each in its own turn.
@@ -285,16 +281,15 @@ def train_pass(t, at, reports):
     micro, held = 0, []  # micro-batches of this pass in this run; of this update
     apart = getattr(t.train_data, "shards", None)  # read by shard: ranks end apart
     for batch, real, position, more, state in reports.batches(pass_data(t, at), at):
-        if micro % args.grad_accum == 0:  # an update begins (its batch fetched)
-            reseed(seed + at.step * dist.get_world_size(), device)
         held.append((to_device(batch, device), real))
         micro += 1
         sync = micro % args.grad_accum == 0 or not (more or apart)  # or at the end
         if ALTERNATE and not sync:
             continue  # every turn trains on all the update's micro-batches: held
-        for turn in turns:
+        for k, turn in enumerate(turns):
             for i, (batch, real) in enumerate(held, 1):
                 end = sync and i == len(held)  # the update's last micro-batch
+                reseed(t, at.step, k, i)
                 loss, n = backward(t, batch, real, turn, end, end and apart and more)
                 if turn == turns[0]:  # train_loss is the first turn's
                     t.sums.recent.append((loss.detach(), n))  # see LossSums
@@ -316,12 +311,34 @@ def train_pass(t, at, reports):
     raise failure("error: build_datasets() returned an empty training stream")
 
 
-def reseed(seed, device):
-    """Seed the random draws of this process, on the CPU and on its GPU: what
-    torch.manual_seed() does, which seeds every kind of device, in about 70 µs."""
-    torch.default_generator.manual_seed(seed)
-    if device.type == "cuda":
-        torch.cuda.default_generators[device.index].manual_seed(seed)
+def reseed(t, *where):
+    """Seed the training process's random draws (dropout, a mixup weight, a coin drawn
+    in your functions) before each micro-batch, from --seed and `where` it stands (the
+    updates done, the turn, the micro-batch): a resume, even in the middle of a pass,
+    draws what a run never stopped. Python's random and numpy's are the same on every
+    rank (a draw for the whole batch holds for all of it, whatever the processes);
+    torch's differ by rank (dropout masks)."""
+    key = mixed(t.args.seed, *where)
+    seed_draws(key)
+    own = mixed(key, dist.get_rank())  # (torch.manual_seed: 0.5 ms, this: 2 µs)
+    torch.default_generator.manual_seed(own)
+    if t.device.type == "cuda":
+        torch.cuda.default_generators[t.device.index].manual_seed(own)
+
+
+def seed_draws(key):
+    """Seed torch's generator on the CPU, Python's random and numpy's global
+    generator (where numpy is imported) with `key`."""
+    torch.default_generator.manual_seed(key)
+    random.seed(key)
+    if numpy := sys.modules.get("numpy"):  # (None: where it failed to import)
+        numpy.random.seed(divmod(key, 1 << 32))
+
+
+def mixed(*numbers):
+    """One 64-bit seed from whole numbers: near ones give unrelated seeds."""
+    digest = hashlib.blake2b(repr(numbers).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
 
 
 def backward(t, batch, real, turn, sync, more):
@@ -373,6 +390,7 @@ def after_update(t, at, reports, last):
         return False
     stop = check(t) and not finished(t.args, at)
     reports.step_done()  # the step ends here: evaluations and saves are not training
+    reports.progress(at)
 {% if strategy == "best" %}
     names = []  # the checkpoints to write
 {% endif %}
@@ -380,7 +398,7 @@ def after_update(t, at, reports, last):
 {{ par.evaluation_comment() }}
         for buffer in t.evaluated.buffers():
             dist.broadcast(buffer, src=0)
-        metrics = evaluate(t.evaluated, t.val_loader, t.device)
+        metrics = run_validation(t.evaluated, t.val_loader, t.device)
         reports.row(at, metrics)
 {% if strategy == "best" %}
         if metrics["loss"] < t.best_val_loss:

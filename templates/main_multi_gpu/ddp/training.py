@@ -84,7 +84,7 @@ CHANNELS_LAST = True  # on GPUs, 2-D convolutions in NHWC: faster
     if device.type == "cuda":
         # DDP change 3a: BatchNorm statistics over the global batch, not per rank.
         t.model = model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    else:
+    elif dist.get_world_size() > 1:  # (one process has nothing to synchronise)
         print0(
             "warning: SyncBatchNorm runs on GPUs only; training with BatchNorm on CPU",
             file=sys.stderr,
@@ -159,7 +159,7 @@ def check_reduced(t):
 {% macro load_for_evaluation() %}
     saved = load_shared(path, device, "evaluate")
     torch.manual_seed(args.seed)  # the data build_datasets() makes for this seed
-    _, val_set = datasets(args)
+    _, val_set = checked_datasets(args)
     model = build_model(args).to(device)
     if "optimizer" in saved:  # a checkpoint: the weights its evaluation used
         saved = saved.get("evaluated") or saved["model"]  # see keep()

@@ -102,8 +102,10 @@ def build_sharded(args, device):
 
     No rank but 0 ever holds the whole model: each builds it on the meta device
     (shapes, no memory), shards it, and makes room for its own shards only; rank 0
-    also builds it for real (the seed's initial weights, as one process would) and
-    sends it, a tensor at a time, into every rank's shards.
+    also builds it for real (the seed's initial weights, or what build_model loads,
+    as one process would) and sends it, a tensor at a time, into every rank's shards.
+    A build_model that refuses the meta device (transformers' from_pretrained) builds
+    a whole copy on each rank's CPU instead, dropped before the sharding.
 
     Returns the model in a Step, the root, whose group also holds the model's own
     parameters (those in no block), in float32, as the units' gradients need. Its
@@ -112,8 +114,11 @@ def build_sharded(args, device):
     if dist.get_world_size() == 1:  # nothing to shard: the plain model, as fast
         return Step(build_model(args)).to(device)
     whole = build_model(args) if dist.get_rank() == 0 else None
-    with torch.device("meta"):
-        sharded = Step(build_model(args))
+    try:
+        with torch.device("meta"):
+            sharded = Step(build_model(args))
+    except RuntimeError:  # a library refuses the meta device (from_pretrained)
+        sharded = Step(build_model(args))  # a whole copy, until sharded
     for block in reversed(sharded_blocks(sharded.model)):  # inner blocks first
         fsdp.fully_shard(block, **precision(block, args))
     fsdp.fully_shard(sharded)
@@ -178,7 +183,7 @@ def local(tensor):
 
 {% macro load_for_evaluation() %}
     torch.manual_seed(args.seed)  # the data build_datasets() makes for this seed
-    _, val_set = datasets(args)
+    _, val_set = checked_datasets(args)
     model = build_sharded(args, device)  # evaluated in the root of the sharding
     if path.is_dir():  # a checkpoint folder: its shards, resharded for this run
         load_shards(model.model, None, path, "evaluate")

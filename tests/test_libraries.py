@@ -1,0 +1,193 @@
+"""Projects as users of Hugging Face libraries write them, with the real libraries:
+their imports at the top of the edit zone stay theirs (`import datasets`,
+`import evaluate`: no name of the generated file replaces them), and a Hugging Face
+`datasets.Dataset` read by DataLoader workers trains 2 x 8 as 1 x 16. Flags of the
+project's own, from add_arguments() in the edit zone."""
+
+import re
+
+import pytest
+import torch
+
+from conftest import (
+    PYTHON,
+    bake,
+    error_lines,
+    load_weights,
+    max_difference,
+    replace_user_functions,
+    run_job,
+    run_single,
+    run_warm,
+)
+
+HUGGING_FACE_NAMES = """
+import datasets
+import evaluate
+
+
+def build_datasets(args):
+    generator = torch.Generator().manual_seed(args.seed)
+    n = args.train_size + args.val_size
+    columns = {
+        "x": torch.randn(n, 12, generator=generator).tolist(),
+        "y": torch.randint(3, (n,), generator=generator).tolist(),
+    }
+    table = datasets.Dataset.from_dict(columns).with_format("torch")
+    cut = args.train_size
+    return table.select(range(cut)), table.select(range(cut, n))
+
+
+def build_model(args):
+    assert isinstance(evaluate.load, types.FunctionType)  # the library's, not ours
+    return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def compute_loss(model, batch):
+    return F.cross_entropy(model(batch["x"]), batch["y"]), len(batch["y"])
+
+
+def compute_metrics(model, batch):
+    logits, y = model(batch["x"]), batch["y"]
+    return {
+        "loss": (F.cross_entropy(logits, y, reduction="sum"), len(y)),
+        "acc": ((logits.argmax(1) == y).sum(), len(y)),
+    }
+"""
+
+
+def test_import_datasets_and_evaluate_in_the_edit_zone(tmp_path):
+    project = bake(tmp_path / "project")
+    replace_user_functions(project, "import types\n" + HUGGING_FACE_NAMES)
+    args = ["--epochs", "2", "--train-size", "64", "--val-size", "37"]
+    args += ["--num-workers", "2", "--lr", "0.05"]
+    two, one = tmp_path / "two", tmp_path / "one"
+    output = run_warm(project, two, 2, *args, "--batch-size", "8")
+    assert output.count("val_acc") == 2, output
+    run_warm(project, one, 1, *args, "--batch-size", "16")
+    a, b = load_weights(two / "model_final.pt"), load_weights(one / "model_final.pt")
+    assert max_difference(a, b) < 1e-5
+
+
+TABULAR_DATA = """
+def build_datasets(args):
+    generator = torch.Generator().manual_seed(args.seed)
+    n = args.train_size + args.val_size
+    x, y = torch.randn(n, 12, generator=generator), torch.randint(3, (n,), generator=generator)
+    cut = args.train_size
+    return TensorDataset(x[:cut], y[:cut]), TensorDataset(x[cut:], y[cut:])
+"""
+
+OWN_FLAGS = """
+import math
+
+
+def build_model(args):
+    return nn.Sequential(nn.Linear(12, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 3))
+
+
+def add_arguments(parser):
+    parser.add_argument("--train-size", type=int, default=64)
+    parser.add_argument("--val-size", type=int, default=20)
+    parser.add_argument("--hidden", type=int, default=16, help="hidden units")
+    parser.add_argument("--label-smoothing", type=float, default=math.pi / 100)
+"""
+
+
+def test_flags_of_your_own(tmp_path):
+    """add_arguments() in the edit zone: its flags show in --help in a group of their
+    own with their defaults, refuse a bad value in one line (exit 2), reach
+    build_model, and are kept in the checkpoint's args; a resume takes the command
+    line's value, as for the template's flags."""
+    project = bake(tmp_path / "project")
+    replace_user_functions(project, TABULAR_DATA + OWN_FLAGS)
+    code, output = run_job([PYTHON, "main_multi_gpu.py", "--help"], project)
+    assert code == 0, output
+    group = output.split("this project's:\n")[1]
+    assert re.search(r"--hidden HIDDEN +hidden units \(default: 16\)", group), output
+    assert "--label-smoothing LABEL_SMOOTHING" in group, output
+
+    args = ["--train-size", "64", "--val-size", "20", "--batch-size", "8"]
+    args += ["--num-workers", "0"]
+    out = tmp_path / "out"
+    output = run_single(project, out, 2, *args, "--hidden", "x", expect=2)
+    line = "error: argument --hidden: invalid int value: 'x' (see --help)"
+    assert error_lines(output) == [line], output
+    run_warm(project, out, 2, *args, "--epochs", "1", "--hidden", "8")
+    checkpoint = load_weights(out / "checkpoint_last.pt")
+    assert checkpoint["args"]["hidden"] == 8
+    assert checkpoint["args"]["label_smoothing"] == pytest.approx(0.0314159)
+    assert load_weights(out / "model_final.pt")["0.weight"].shape == (8, 12)
+    run_warm(project, out, 2, *args, "--epochs", "2", "--hidden", "8")
+    assert load_weights(out / "checkpoint_last.pt")["epoch"] == 2
+
+
+# A GPT-2 loaded with transformers' from_pretrained from a folder the test writes (a
+# tiny random one, no download), trained on random tokens.
+GPT2 = """
+import transformers
+
+
+def build_datasets(args):
+    generator = torch.Generator().manual_seed(args.seed)
+    n = args.train_size + args.val_size
+    tokens = torch.randint(64, (n, 16), generator=generator)
+    return TensorDataset(tokens[: args.train_size]), TensorDataset(tokens[args.train_size :])
+
+
+def build_model(args):
+    return transformers.GPT2LMHeadModel.from_pretrained(os.environ["TEST_GPT2"])
+
+
+def build_optimizer(model, args, total_updates):
+    return torch.optim.SGD(model.parameters(), lr=args.lr), None
+
+
+def compute_loss(model, batch):
+    (tokens,) = batch
+    return model(input_ids=tokens, labels=tokens).loss, len(tokens)
+
+
+def compute_metrics(model, batch):
+    (tokens,) = batch
+    loss = model(input_ids=tokens, labels=tokens).loss
+    return {"loss": (loss * len(tokens), len(tokens))}
+"""
+
+
+def tiny_gpt2(folder):
+    """A GPT-2 of 2 layers, 32 wide, a vocabulary of 64, no dropout, saved as
+    from_pretrained reads it; returns its weights."""
+    import transformers
+
+    config = transformers.GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2
+    )
+    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    model.save_pretrained(folder)
+    return model.state_dict()
+
+
+def test_from_pretrained_under_fsdp2_ends_where_ddp_ends(tmp_path):
+    """build_model calls from_pretrained: under FSDP2 (ranks other than 0 cannot
+    build it on the meta device) it trains, from the saved weights (--lr 0 ends with
+    them), and 2 ranks x 4 end where DDP's 2 x 4 end."""
+    saved = tiny_gpt2(tmp_path / "gpt2")
+    env = {"TEST_GPT2": str(tmp_path / "gpt2")}
+    args = ["--epochs", "1", "--train-size", "32", "--val-size", "12"]
+    args += ["--batch-size", "4", "--num-workers", "0"]
+    finals = {}
+    for parallelism in ("ddp", "fsdp2"):
+        project = bake(tmp_path / parallelism, parallelism=parallelism)
+        replace_user_functions(project, GPT2)
+        out = tmp_path / f"{parallelism}-out"
+        run_warm(project, out, 2, *args, "--lr", "0.05", env=env)
+        finals[parallelism] = load_weights(out / "model_final.pt")
+    moved = max_difference(finals["ddp"], saved)
+    assert moved > 1e-3
+    assert max_difference(finals["fsdp2"], finals["ddp"]) < 1e-5 * max(1, moved)
+    still = tmp_path / "still"
+    run_warm(project, still, 2, *args, "--lr", "0", env=env)
+    assert max_difference(load_weights(still / "model_final.pt"), saved) == 0
