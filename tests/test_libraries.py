@@ -20,6 +20,7 @@ from conftest import (
     run_single,
     run_warm,
 )
+from test_streams import readme_block
 
 HUGGING_FACE_NAMES = """
 import datasets
@@ -136,7 +137,10 @@ def build_datasets(args):
 
 
 def build_model(args):
-    return transformers.GPT2LMHeadModel.from_pretrained(os.environ["TEST_GPT2"])
+    model = transformers.GPT2LMHeadModel.from_pretrained(os.environ["TEST_GPT2"])
+    if os.environ.get("TEST_CHECKPOINTING"):  # each block's activations recomputed
+        model.gradient_checkpointing_enable()
+    return model
 
 
 def build_optimizer(model, args, total_updates):
@@ -173,21 +177,126 @@ def tiny_gpt2(folder):
 def test_from_pretrained_under_fsdp2_ends_where_ddp_ends(tmp_path):
     """build_model calls from_pretrained: under FSDP2 (ranks other than 0 cannot
     build it on the meta device) it trains, from the saved weights (--lr 0 ends with
-    them), and 2 ranks x 4 end where DDP's 2 x 4 end."""
+    them), each rank holding half the parameters, and 2 ranks x 4 end where DDP's
+    2 x 4 end, with transformers' activation checkpointing of its blocks too."""
     saved = tiny_gpt2(tmp_path / "gpt2")
     env = {"TEST_GPT2": str(tmp_path / "gpt2")}
     args = ["--epochs", "1", "--train-size", "32", "--val-size", "12"]
     args += ["--batch-size", "4", "--num-workers", "0"]
     finals = {}
-    for parallelism in ("ddp", "fsdp2"):
+    for parallelism, checkpointing in (("ddp", ""), ("fsdp2", "1")):
         project = bake(tmp_path / parallelism, parallelism=parallelism)
         replace_user_functions(project, GPT2)
         out = tmp_path / f"{parallelism}-out"
-        run_warm(project, out, 2, *args, "--lr", "0.05", env=env)
+        env |= {"TEST_CHECKPOINTING": checkpointing}
+        output = run_warm(project, out, 2, *args, "--lr", "0.05", env=env)
         finals[parallelism] = load_weights(out / "model_final.pt")
     moved = max_difference(finals["ddp"], saved)
     assert moved > 1e-3
-    assert max_difference(finals["fsdp2"], finals["ddp"]) < 1e-5 * max(1, moved)
+    assert max_difference(finals["fsdp2"], finals["ddp"]) < 1e-5
+    # FSDP2's line: each of 2 ranks holds half the parameters (the tied embedding
+    # and head once).
+    whole = sum({p.data_ptr(): 4 * p.numel() for p in saved.values()}.values()) / 2**20
+    held = float(re.search(r"memory per rank: parameters ([0-9.]+) MiB", output)[1])
+    assert 0.4 * whole < held < 0.6 * whole, (held, whole)
     still = tmp_path / "still"
     run_warm(project, still, 2, *args, "--lr", "0", env=env)
     assert max_difference(load_weights(still / "model_final.pt"), saved) == 0
+
+
+WORDS = [
+    "the",
+    "a",
+    "cat",
+    "dog",
+    "sat",
+    "ran",
+    "on",
+    "under",
+    "mat",
+    "log",
+    "red",
+    "blue",
+    "big",
+    "small",
+    "fast",
+    "slow",
+]
+
+
+def tiny_language_model(folder, lines):
+    """A word-level tokenizer trained on `lines` (tokenizers), and a GPT-2 of its
+    vocabulary (2 layers, 32 wide, no dropout), saved in `folder` as
+    AutoTokenizer and AutoModelForCausalLM read them; returns the model's weights."""
+    import tokenizers
+    import transformers
+
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    trainer = tokenizers.trainers.WordLevelTrainer(special_tokens=["<unk>", "<eos>"])
+    tokenizer.train_from_iterator(lines, trainer)
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="<unk>", eos_token="<eos>"
+    )
+    fast.save_pretrained(folder)
+    config = transformers.GPT2Config(
+        vocab_size=len(fast), n_positions=32, n_embd=32, n_layer=2, n_head=2
+    )
+    config.bos_token_id = config.eos_token_id = fast.eos_token_id
+    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    model.save_pretrained(folder)
+    return model.state_dict()
+
+
+def test_the_readmes_lora_fine_tune_of_a_language_model(tmp_path):
+    """The README's recipe as written (transformers, peft, datasets.map, the
+    collator as collate_fn, flags of its own), on a tokenizer trained here and a tiny
+    GPT-2: 2 processes with 2 DataLoader workers each train the adapters alone (the
+    base as loaded), rank 0 saved the tokenizer, and the README's save_adapter.py
+    writes an adapter folder that peft's PeftModel.from_pretrained loads to the
+    weights of model_final.pt."""
+    import peft
+    import transformers
+
+    generator = torch.Generator().manual_seed(0)
+    lines = [
+        " ".join(WORDS[i] for i in torch.randint(len(WORDS), (n,), generator=generator))
+        for n in torch.randint(3, 12, (80,), generator=generator).tolist()
+    ]
+    base = tiny_language_model(tmp_path / "lm", lines)
+    (tmp_path / "train.txt").write_text("\n".join(lines[:64]) + "\n")
+    (tmp_path / "val.txt").write_text("\n".join(lines[64:]) + "\n")
+    project = bake(tmp_path / "project")
+    replace_user_functions(project, readme_block(project, "import peft"))
+    args = ["--model", str(tmp_path / "lm"), "--seq-len", "16"]
+    args += ["--train-file", str(tmp_path / "train.txt")]
+    args += ["--val-file", str(tmp_path / "val.txt")]
+    args += ["--epochs", "2", "--batch-size", "4", "--lr", "0.01"]
+    out = tmp_path / "out"
+    output = run_warm(project, out, 2, *args, "--num-workers", "2")
+    assert output.count("val_loss") == 2, output
+
+    final = load_weights(out / "model_final.pt")
+    adapters = {k: v for k, v in final.items() if "lora_" in k}
+    frozen = {
+        k.replace("base_model.model.", "").replace("base_layer.", ""): v
+        for k, v in final.items()
+        if "lora_" not in k
+    }
+    assert max_difference(frozen, base) == 0  # the base as from_pretrained loaded it
+    assert max(v.abs().max().item() for k, v in adapters.items() if "lora_B" in k) > 0
+    assert (out / "tokenizer" / "tokenizer.json").exists()
+
+    (project / "save_adapter.py").write_text(readme_block(project, "save_pretrained"))
+    code, said = run_job(
+        [PYTHON, "save_adapter.py", *args, "--output-dir", str(out)], project
+    )
+    assert code == 0, said
+    written = {p.name: p.stat().st_size for p in (out / "adapter").iterdir()}
+    assert written["adapter_model.safetensors"] < 100_000, written
+    assert "adapter_config.json" in written, written
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "lm")
+    loaded = peft.PeftModel.from_pretrained(model, out / "adapter").state_dict()
+    assert max_difference(loaded, final) == 0

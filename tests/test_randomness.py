@@ -103,7 +103,7 @@ def compute_loss(model, batch):
 """
 ARGS = ["--epochs", "2", "--train-size", "96", "--val-size", "37", "--lr", "0.05"]
 ARGS += ["--num-workers", "2"]
-PER_ITEM = "        seed_draws(mixed(self.seed, self.epoch, index))\n"
+PER_ITEM = "            seed_draws(mixed(self.seed, self.epoch, index))\n"
 
 
 def augmented(tmp_path):

@@ -22,9 +22,9 @@ class Reports(contextlib.ExitStack):
             if self.trackers:  # ended with the right status however the run ends
                 self.push(lambda err, *_: self.trackers.end(1 if err else self.code))
         self.start_interval()
-        # Progress inside a pass, at each check: rank 0's, unless --no-progress.
-        self.shows = self.is_main and not t.args.no_progress
-        self.live = self.shows and sys.stdout.isatty()  # a terminal: one line, redrawn
+        # Progress inside a pass, at each check: rank 0's, unless --no-progress; on
+        # a terminal (live), one line drawn again in place.
+        self.live = self.is_main and not t.args.no_progress and sys.stdout.isatty()
         self.shown = None, time.perf_counter()  # the last line's mark, and time
         self.callback(self.end_line)
 {% if fsdp %}
@@ -90,8 +90,8 @@ class Reports(contextlib.ExitStack):
         and the run stand. On a terminal one line, drawn again in place; elsewhere (a
         log, a pipe) a line every tenth of a pass or 5 minutes, whichever is first."""
         t, now = self.t, time.perf_counter()
-        if not (self.shows and at.epoch_samples):  # (a pass's end: its row follows)
-            return
+        if t.args.no_progress or not (self.is_main and at.epoch_samples):
+            return  # (quiet; or a pass's end, whose row follows)
         done = math.ceil(at.epoch_samples / t.global_batch)  # the pass's updates done
         per_pass = t.steps_per_pass and math.ceil(t.steps_per_pass / t.args.grad_accum)
         mark = at.epoch, 10 * done // per_pass if per_pass else 0  # the pass's tenth
