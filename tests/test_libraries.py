@@ -269,7 +269,7 @@ def test_the_readmes_lora_fine_tune_of_a_language_model(tmp_path):
     (tmp_path / "train.txt").write_text("\n".join(lines[:64]) + "\n")
     (tmp_path / "val.txt").write_text("\n".join(lines[64:]) + "\n")
     project = bake(tmp_path / "project")
-    replace_user_functions(project, readme_block(project, "import peft"))
+    replace_user_functions(project, readme_block(project, "peft.LoraConfig("))
     args = ["--model", str(tmp_path / "lm"), "--seq-len", "16"]
     args += ["--train-file", str(tmp_path / "train.txt")]
     args += ["--val-file", str(tmp_path / "val.txt")]
@@ -289,7 +289,7 @@ def test_the_readmes_lora_fine_tune_of_a_language_model(tmp_path):
     assert max(v.abs().max().item() for k, v in adapters.items() if "lora_B" in k) > 0
     assert (out / "tokenizer" / "tokenizer.json").exists()
 
-    (project / "save_adapter.py").write_text(readme_block(project, "save_pretrained"))
+    (project / "save_adapter.py").write_text(readme_block(project, "# save_adapter.py"))
     code, said = run_job(
         [PYTHON, "save_adapter.py", *args, "--output-dir", str(out)], project
     )
