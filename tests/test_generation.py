@@ -261,6 +261,27 @@ def test_ruff_check_and_format(baked):
     assert f"{2 * len(COMBINATIONS)} files already formatted" in fmt.stdout
 
 
+def test_the_edit_zones_imports_have_a_place_ruff_accepts(tmp_path):
+    """Imports a user adds right under the EDIT HERE banner (after its isort split),
+    unsorted against the template's, pass ruff check with the suite's settings;
+    the same imports without that line would be an unsorted block (the control)."""
+    project = bake(tmp_path)
+    script = project / "main_multi_gpu.py"
+    code = script.read_text()
+    ours = "import datasets\nimport numpy as np\nfrom transformers import AutoModel\n\n"
+    use = "USED = datasets, np, AutoModel\n"
+    assert code.count("# isort: split\nNUM_CLASSES = 10\n") == 1
+    script.write_text(
+        code.replace("NUM_CLASSES = 10\n", ours + "NUM_CLASSES = 10\n" + use)
+    )
+    command = ["ruff", "check", "--no-cache", "--extend-select", "E501", "."]
+    check = subprocess.run(command, cwd=project, capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    script.write_text(script.read_text().replace("# isort: split\n", ""))
+    check = subprocess.run(command, cwd=project, capture_output=True, text=True)
+    assert "I001" in check.stdout, check.stdout
+
+
 def test_shellcheck(baked):
     scripts = sorted(str(p) for p in baked[0].glob("*/*.sh"))
     scripts += sorted(str(p) for p in baked[0].glob("*/*.sbatch"))

@@ -14,7 +14,7 @@
 import re
 
 import pytest
-from test_recipes import KILL, SIGTERM
+from test_recipes import SIGTERM
 
 from conftest import (
     act_after_step,
@@ -26,7 +26,6 @@ from conftest import (
     run_single,
     run_warm,
 )
-from test_faults import watch
 
 # A module of the project's folder, imported at the top of the edit zone: each import
 # writes a line (its process) to COUNTED_LOG.
@@ -37,24 +36,41 @@ with open(os.environ["COUNTED_LOG"], "a") as log:
 """
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
-def test_an_edit_zone_import_is_imported_once_per_process(tmp_path, launcher):
-    """2 processes x 2 workers, 2 then 4 passes: the launcher, each training process
-    and each one's fork server import it (5), never a worker (before: 19 and 35)."""
-    project = bake(tmp_path / "project", launcher=launcher)
+def test_an_edit_zone_import_is_imported_once_per_process(tmp_path):
+    """A module of the project's folder imported at the top of the edit zone, with
+    ./run_single.sh (torchrun): 2 processes x 2 workers, 2 then 4 passes: the
+    launcher, each training process and each one's fork server import it (5), never
+    a worker (before: 19 and 35)."""
+    project = bake(tmp_path / "project")
     (project / "counted.py").write_text(COUNTED)
     import_line = "import counted  # noqa: F401\n\nNUM_CLASSES = 10\n"
     edit(project, "NUM_CLASSES = 10\n", import_line)
-    counts = []
+    assert counts(tmp_path, project, run_single) == [5, 5]
+
+
+def test_the_file_is_run_once_per_process_under_spawn(tmp_path):
+    """The spawn launcher's processes, started as mp.spawn starts them (warm): each
+    runs the file once, and so does each one's fork server (4), whatever the passes:
+    its DataLoader workers, forks of the fork server, run none of it."""
+    project = bake(tmp_path / "project", launcher="spawn")
+    count = 'with open(os.environ["COUNTED_LOG"], "a") as log:\n'
+    count += '    log.write(f"{os.getpid()}\\n")\n'
+    edit(project, "NUM_CLASSES = 10\n", "NUM_CLASSES = 10\n" + count)
+    assert counts(tmp_path, project, run_warm) == [4, 4]
+
+
+def counts(tmp_path, project, run):
+    """How many processes wrote COUNTED_LOG in a run of 2 passes, and of 4."""
+    found = []
     for epochs in (2, 4):
         log = tmp_path / f"imports-{epochs}.log"
-        args = ["--epochs", str(epochs), "--train-size", "64", "--val-size", "32"]
+        args = ["--epochs", str(epochs), "--train-size", "32", "--val-size", "16"]
         args += ["--batch-size", "8", "--num-workers", "2"]
         env = {"COUNTED_LOG": str(log)}
-        output = run_single(project, tmp_path / f"out-{epochs}", 2, *args, env=env)
+        output = run(project, tmp_path / f"out-{epochs}", 2, *args, env=env)
         assert output.count("val_loss") == epochs, output
-        counts.append(len(log.read_text().split()))
-    assert counts == [5, 5]
+        found.append(len(log.read_text().split()))
+    return found
 
 
 # A dataset that augments each item with all three generators, as image pipelines do
@@ -117,51 +133,30 @@ def final(out_dir):
     return load_weights(out_dir / "model_final.pt")
 
 
-def test_augmentation_in_workers_repeats_and_scales(tmp_path):
-    """The same command twice: the same weights, to the bit; 2 x 8 as 1 x 16. The
-    control: without each item's seeding, 2 x 8 and 1 x 16 differ."""
+def test_augmentation_in_workers_repeats_scales_and_resumes_mid_pass(tmp_path):
+    """The same command twice: the same weights, to the bit; 2 x 8 as 1 x 16; a
+    SIGTERM after update 2 of pass 1 (saved at update 3's check, --save-every 3),
+    then the same command: the weights of a run never stopped. The control: without
+    each item's seeding, 2 x 8 and 1 x 16 differ."""
     project = augmented(tmp_path)
+    args = [*ARGS, "--save-every", "3"]
     two, again, one = tmp_path / "two", tmp_path / "again", tmp_path / "one"
-    run_warm(project, two, 2, *ARGS, "--batch-size", "8")
-    run_warm(project, again, 2, *ARGS, "--batch-size", "8")
-    run_warm(project, one, 1, *ARGS, "--batch-size", "16")
+    run_warm(project, two, 2, *args, "--batch-size", "8")
+    run_warm(project, again, 2, *args, "--batch-size", "8")
+    run_warm(project, one, 1, *args, "--batch-size", "16")
     assert max_difference(final(two), final(again)) == 0
     assert max_difference(final(two), final(one)) < 1e-5
-    edit(project, PER_ITEM, "")
-    run_warm(project, tmp_path / "control", 1, *ARGS, "--batch-size", "16")
-    assert max_difference(final(two), final(tmp_path / "control")) > 1e-3
 
-
-def test_augmentation_in_workers_resumes_mid_pass(tmp_path):
-    """SIGTERM after update 2 of pass 1 (saved at update 3), then the same command:
-    the weights of a run never stopped. kill -9 of rank 1 after update 11, with
-    --save-every 3 (saved at update 9), then the same command: the same. The control: without each item's
-    seeding, the resumed pass draws other numbers."""
-    project = augmented(tmp_path)
-    args = [*ARGS, "--batch-size", "8", "--save-every", "3"]
-    straight = tmp_path / "straight"
-    run_warm(project, straight, 2, *args)
     cut = tmp_path / "cut"
     stop = {"TEST_ACT_AT": "0:0:1", "TEST_ACTION": SIGTERM}
-    run_warm(project, cut, 2, *args, env=stop, expect=143)
-    output = run_warm(project, cut, 2, *args)
+    run_warm(project, cut, 2, *args, "--batch-size", "8", env=stop, expect=143)
+    output = run_warm(project, cut, 2, *args, "--batch-size", "8")
     assert "in epoch 1 after 3 batches" in output, output
-    assert max_difference(final(cut), final(straight)) < 1e-6
+    assert max_difference(final(cut), final(two)) < 1e-6
 
-    killed = tmp_path / "killed"
-    command = ["./run_single.sh", *args, "--output-dir", str(killed)]
-    kill = {"NPROC_PER_NODE": "2", "TEST_ACT_AT": "1:1:4", "TEST_ACTION": KILL}
-    code, output, _, left = watch(command, project, kill)
-    assert code == 1 and left == [] and "error: rank 1 died (SIGKILL)" in output
-    output = run_warm(project, killed, 2, *args)
-    assert "in epoch 2 after 3 batches" in output, output
-    assert max_difference(final(killed), final(straight)) < 1e-6
-
-    edit(project, PER_ITEM, "")
-    control = tmp_path / "control"
-    run_warm(project, control, 2, *args, env=stop, expect=143)
-    run_warm(project, control, 2, *args)
-    assert max_difference(final(control), final(straight)) > 1e-4
+    edit(project, PER_ITEM, "            pass\n")
+    run_warm(project, tmp_path / "control", 1, *args, "--batch-size", "16")
+    assert max_difference(final(two), final(tmp_path / "control")) > 1e-3
 
 
 # A curriculum as users write it: a map-style dataset whose items change with its
@@ -212,17 +207,19 @@ def compute_metrics(model, batch):
 
 @pytest.mark.parametrize(
     "answers",
-    [{}, {"parallelism": "fsdp2", "use_batch_sampler": False}],
+    [{}, {"parallelism": "fsdp2", "use_batch_sampler": False, "workers": "0"}],
     ids=["ddp", "fsdp2-no-batch-sampler"],
 )
 def test_a_curriculum_gets_set_epoch_before_each_pass(tmp_path, answers):
     """3 passes straight, each batch of its own pass's items (4 updates a pass, on
     each of 2 ranks); 1 pass, then --resume auto to 3: the same batches, the same
     weights."""
-    project = bake(tmp_path / "project", **answers)
+    project = bake(
+        tmp_path / "project", **{k: answers[k] for k in answers if k != "workers"}
+    )
     replace_user_functions(project, CURRICULUM)
     args = ["--train-size", "64", "--val-size", "20", "--batch-size", "8"]
-    args += ["--num-workers", "2", "--lr", "0.05"]
+    args += ["--num-workers", answers.get("workers", "2"), "--lr", "0.05"]
 
     def passes(log):
         rows = [line.split(" ", 1) for line in log.read_text().splitlines()]
