@@ -38,20 +38,20 @@ with open(os.environ["COUNTED_LOG"], "a") as log:
 
 def test_an_edit_zone_import_is_imported_once_per_process(tmp_path):
     """A module of the project's folder imported at the top of the edit zone, with
-    ./run_single.sh (torchrun): 2 processes x 2 workers, 2 then 4 passes: the
-    launcher, each training process and each one's fork server import it (5), never
-    a worker (before: 19 and 35)."""
+    ./run_single.sh (torchrun): 2 workers, 2 then 4 passes: the launcher, the
+    training process and its fork server import it (3), never a worker (before, 2
+    processes: 19 and 35)."""
     project = bake(tmp_path / "project")
     (project / "counted.py").write_text(COUNTED)
     import_line = "import counted  # noqa: F401\n\nNUM_CLASSES = 10\n"
     edit(project, "NUM_CLASSES = 10\n", import_line)
-    assert counts(tmp_path, project, run_single) == [5, 5]
+    assert counts(tmp_path, project, run_single) == [3, 3]
 
 
 def test_the_file_is_run_once_per_process_under_spawn(tmp_path):
-    """The spawn launcher's processes, started as mp.spawn starts them (warm): each
+    """The spawn launcher's 2 processes, started as mp.spawn starts them (warm): each
     runs the file once, and so does each one's fork server (4), whatever the passes:
-    its DataLoader workers, forks of the fork server, run none of it."""
+    their DataLoader workers, forks of the fork servers, run none of it."""
     project = bake(tmp_path / "project", launcher="spawn")
     count = 'with open(os.environ["COUNTED_LOG"], "a") as log:\n'
     count += '    log.write(f"{os.getpid()}\\n")\n'
@@ -60,14 +60,16 @@ def test_the_file_is_run_once_per_process_under_spawn(tmp_path):
 
 
 def counts(tmp_path, project, run):
-    """How many processes wrote COUNTED_LOG in a run of 2 passes, and of 4."""
+    """How many processes wrote COUNTED_LOG in a run of 2 passes, and of 4 (a real
+    launch: 1 process; warm: 2)."""
     found = []
     for epochs in (2, 4):
         log = tmp_path / f"imports-{epochs}.log"
         args = ["--epochs", str(epochs), "--train-size", "32", "--val-size", "16"]
         args += ["--batch-size", "8", "--num-workers", "2"]
         env = {"COUNTED_LOG": str(log)}
-        output = run(project, tmp_path / f"out-{epochs}", 2, *args, env=env)
+        nproc = 1 if run is run_single else 2
+        output = run(project, tmp_path / f"out-{epochs}", nproc, *args, env=env)
         assert output.count("val_loss") == epochs, output
         found.append(len(log.read_text().split()))
     return found
