@@ -10,6 +10,8 @@ import select
 import subprocess
 import time
 
+from test_libraries import TABULAR_DATA
+
 from conftest import (
     act_after_step,
     bake,
@@ -25,18 +27,14 @@ PROGRESS = re.compile(
     r"epoch 1  update (\d+)/512  [0-9.]+ samples/s  train_loss [0-9.]+  "
     r"left: pass \d+:\d\d:\d\d, run \d+:\d\d:\d\d"
 )
-TABULAR = """
-def build_datasets(args):
-    generator = torch.Generator().manual_seed(args.seed)
-    n = args.train_size + args.val_size
-    x, y = torch.randn(n, 12, generator=generator), torch.randint(3, (n,), generator=generator)
-    cut = args.train_size
-    return TensorDataset(x[:cut], y[:cut]), TensorDataset(x[cut:], y[cut:])
-
+TABULAR = (
+    TABULAR_DATA
+    + """
 
 def build_model(args):
     return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 3))
 """
+)
 
 
 def project_of(tmp_path, source=TABULAR):
