@@ -154,14 +154,16 @@ def compute_metrics(model, batch):
 """
 
 
-def tiny_gpt2(folder):
-    """A GPT-2 of 2 layers, 32 wide, a vocabulary of 64, no dropout, saved as
-    from_pretrained reads it; returns its weights."""
+def tiny_gpt2(folder, vocab_size=64, n_positions=16, eos=None):
+    """A GPT-2 of 2 layers, 32 wide, no dropout, saved as from_pretrained reads it;
+    returns its weights."""
     import transformers
 
     config = transformers.GPT2Config(
-        vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2
+        vocab_size=vocab_size, n_positions=n_positions, n_embd=32, n_layer=2, n_head=2
     )
+    if eos is not None:
+        config.bos_token_id = config.eos_token_id = eos
     config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(config)
@@ -220,9 +222,9 @@ WORDS = [
 
 
 def tiny_language_model(folder, lines):
-    """A word-level tokenizer trained on `lines` (tokenizers), and a GPT-2 of its
-    vocabulary (2 layers, 32 wide, no dropout), saved in `folder` as
-    AutoTokenizer and AutoModelForCausalLM read them; returns the model's weights."""
+    """A word-level tokenizer trained on `lines` (tokenizers), and a tiny GPT-2 of
+    its vocabulary, saved in `folder` as AutoTokenizer and AutoModelForCausalLM read
+    them; returns the model's weights."""
     import tokenizers
     import transformers
 
@@ -234,15 +236,7 @@ def tiny_language_model(folder, lines):
         tokenizer_object=tokenizer, unk_token="<unk>", eos_token="<eos>"
     )
     fast.save_pretrained(folder)
-    config = transformers.GPT2Config(
-        vocab_size=len(fast), n_positions=32, n_embd=32, n_layer=2, n_head=2
-    )
-    config.bos_token_id = config.eos_token_id = fast.eos_token_id
-    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(config)
-    model.save_pretrained(folder)
-    return model.state_dict()
+    return tiny_gpt2(folder, len(fast), 32, fast.eos_token_id)
 
 
 def test_the_readmes_lora_fine_tune_of_a_language_model(tmp_path):
