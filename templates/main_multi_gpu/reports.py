@@ -107,7 +107,7 @@ class Reports(contextlib.ExitStack):
         line += f"samples/s  train_loss {t.sums.so_far:.4g}  left: "
         line += f"pass {left(per_pass - done)}, " if per_pass else ""
         line += f"run {left(t.total_updates - at.step)}"
-        print(f"\r{line}\033[K" if self.live else line, end="\n"[self.live :])
+        print(f"\r{line}\033[K" if self.live else f"{line}\n", end="", flush=True)
 
     def end_line(self):
         """Erase the live progress line (if any) before another line, or at the end."""
