@@ -143,7 +143,7 @@ def test_no_function_is_longer_than_a_screen(baked):
 
 def test_the_five_functions_come_first(baked):
     """After the header and the imports, a reader meets the five functions a user
-    edits (after the constant they use and the recipes' two settings) before
+    edits (after the constant they use and the recipes' three settings) before
     anything else."""
     for case in IDS:
         code = (baked[1][case] / "main_multi_gpu.py").read_text()
@@ -152,7 +152,7 @@ def test_the_five_functions_come_first(baked):
         rest = body[body.index(imports[-1]) + 1 :]
         # The same settings in every variant: an edit zone moves between them.
         settings = ["NUM_CLASSES = 10", "FIND_UNUSED_PARAMETERS = False"]
-        settings.append("ALTERNATE = False")
+        settings += ["ALTERNATE = False", "DROP_LAST = False"]
         five = rest[len(settings) : len(settings) + 5]
         assert [ast.unparse(n) for n in rest[: len(settings)]] == settings, case
         assert [n.name for n in five if isinstance(n, ast.FunctionDef)] == list(
@@ -233,7 +233,7 @@ def test_the_edit_zone_is_the_same_code_in_every_variant(baked):
         return [ast.dump(node) for node in body[start:end]]
 
     first = zone(IDS[0])
-    assert len(first) == 9  # the three settings, the five functions, add_arguments
+    assert len(first) == 10  # the four settings, the five functions, add_arguments
     for case in IDS[1:]:
         assert zone(case) == first, case
 

@@ -551,3 +551,36 @@ def test_an_empty_dataset_is_one_line(tmp_path):
     errors = error_lines(output)
     assert errors == ["error: build_datasets() returned an empty validation set"]
     assert "Traceback" not in output
+
+
+# 50 samples: on 2 processes 25 each, 3 batches of 8 and one of 1, which DROP_LAST
+# leaves out; on 1 process, 3 batches of 16 and one of 2, left out: the same 48.
+DROPPING = ["--num-workers", "0", "--val-size", "37", "--train-size", "50"]
+DROPPING += ["--epochs", "2", "--lr", "0.05", "--save-every", "4"]
+
+
+def test_drop_last_leaves_out_a_short_last_batch_and_resumes(tmp_path):
+    """DROP_LAST = True: 3 updates a pass (not 4); 2 x 8 trains as 1 x 16; a SIGTERM
+    after the first update of pass 2, then the same command: the weights of a run never
+    stopped; a process's share smaller than --batch-size: refused in one line."""
+    project = bake(tmp_path / "project")
+    without_batchnorm(project)
+    edit(project, "DROP_LAST = False", "DROP_LAST = True")
+    act_after_step(project)
+    two, one, cut = tmp_path / "two", tmp_path / "one", tmp_path / "cut"
+    run_warm(project, two, 2, *DROPPING, "--batch-size", "8")
+    run_warm(project, one, 1, *DROPPING, "--batch-size", "16")
+    assert [row["step"] for row in metrics(two)] == ["3", "6"]
+    assert max_difference(final(two), final(one)) < 1e-5
+
+    sigterm = "os.killpg(os.getpgrp(), signal.SIGTERM)"
+    stop = {"TEST_ACT_AT": "0:1:0", "TEST_ACTION": sigterm}
+    run_warm(project, cut, 2, *DROPPING, "--batch-size", "8", env=stop, expect=143)
+    output = run_warm(project, cut, 2, *DROPPING, "--batch-size", "8")
+    assert "in epoch 2 after 1 batch" in output, output
+    assert max_difference(final(cut), final(two)) < 1e-6
+
+    big = ["--batch-size", "32"]
+    output = run_warm(project, tmp_path / "big", 2, *DROPPING, *big, expect=2)
+    share = "(25 samples a process): lower --batch-size"
+    assert error_lines(output) == [f"error: DROP_LAST leaves no batch {share}"], output

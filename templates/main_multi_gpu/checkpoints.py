@@ -2,8 +2,9 @@
 # Checkpoints and resuming (rank 0 writes; every rank reads through rank 0)
 # --------------------------------------------------------------------------------------
 def snapshot(t, at):
-    """Everything a resume needs: the state at `at`. (Every rank calls it: the loss
-    sums since the last evaluation are added up over the ranks.)"""
+    """Everything a resume needs: the state at `at`, right after a check (which
+    summed the loss over the ranks). Every rank calls it: a stream's states are
+    gathered."""
     return {
 {{ saving.snapshot_tensors() }}
         "scheduler": packed({k: s and s.state_dict() for k, s in t.schedulers.items()}),
@@ -14,7 +15,7 @@ def snapshot(t, at):
         **asdict(at),
         "stream": stream_states(t, at),
         "stream_shards": getattr(t.train_data, "shards", None),  # see StreamShard
-        "train_sums": list(t.sums.totals()),  # loss sum and units, over all ranks
+        "train_sums": list(t.sums.reduced),  # loss sum and units, over all ranks
         "global_batch": [dist.get_world_size(), t.args.batch_size, t.args.grad_accum],
         "total_updates": t.total_updates,
 {% if strategy == "best" %}
@@ -271,9 +272,8 @@ def resume_position(t, at, saved_batch):
     elif again := at.epoch_samples % (t.args.batch_size * dist.get_world_size()):
         print0(f"resume: {again} samples of this pass are trained again")
         at.epoch_samples -= again
-    if t.global_batch != saved_batch and t.steps_per_pass:
-        per_pass = math.ceil(t.steps_per_pass / t.args.grad_accum)
-        at.step = at.epoch * per_pass + at.epoch_samples // t.global_batch
+    if t.global_batch != saved_batch and t.updates_per_pass:
+        at.step = at.epoch * t.updates_per_pass + at.epoch_samples // t.global_batch
     elif t.global_batch != saved_batch:  # a stream of unknown length: by samples
         at.step = at.step * saved_batch // t.global_batch
 

@@ -32,17 +32,24 @@ def build_training(args, device, checkpoint):
     t.global_batch = batch = per_step * args.grad_accum
     t.alone = batch == args.batch_size  # one process, one micro-batch an update
     # Micro-batches per pass and rank, as the DataLoader makes them (the sampler pads
-    # the shares to equal) or the StreamLoader; None for a stream without a length.
+    # the shares to equal; DROP_LAST leaves out a short last one) or the StreamLoader.
     size = len(train_set) if isinstance(train_set, Sized) else None
-    t.steps_per_pass = math.ceil(size / per_step) if size else None
+    sampled = isinstance(t.train_data, ResumableSampler)
+    steps = len(t.train_loader) if sampled else size and math.ceil(size / per_step)
+    if steps == 0:  # DROP_LAST, and a share of the set smaller than --batch-size
+        share = f"{t.train_data.num_samples} samples a process"
+        line = f"error: DROP_LAST leaves no batch ({share}): lower --batch-size"
+        raise failure(line, status=2)
     if size and batch > size:
         line = f"warning: the global batch ({batch}) is larger than the training set"
         print0(f"{line} ({size} samples): one update a pass", file=sys.stderr)
     if not (args.max_steps or size):
         line = "error: a training stream without a length needs --max-steps N"
         raise failure(line, status=2)
-    # Optimizer updates in the whole run (a pass's last may have fewer micro-batches).
-    t.total_updates = args.max_steps or args.epochs * math.ceil(size / batch)
+    # Optimizer updates per pass (its last may have fewer micro-batches; None for a
+    # stream without a length) and in the whole run.
+    t.updates_per_pass = steps and math.ceil(steps / args.grad_accum)
+    t.total_updates = args.max_steps or args.epochs * t.updates_per_pass
     # float16 needs loss scaling against underflowing gradients; otherwise a no-op.
     t.scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
 {{ par.wrap_model() }}
@@ -83,11 +90,11 @@ def build_loader(train_set, args, device, checkpoint):
     train_set = Seeded(train_set, args.seed)
     train_data = ResumableSampler(train_set, shuffle=True, seed=args.seed)
 {% if cookiecutter.use_batch_sampler %}
-    batch_sampler = BatchSampler(train_data, args.batch_size, drop_last=False)
+    batch_sampler = BatchSampler(train_data, args.batch_size, drop_last=DROP_LAST)
     return train_data, DataLoader(train_set, batch_sampler=batch_sampler, **common)
 {% else %}
     return train_data, DataLoader(
-        train_set, batch_size=args.batch_size, sampler=train_data, **common
+        train_set, args.batch_size, sampler=train_data, drop_last=DROP_LAST, **common
     )
 {% endif %}
 

@@ -9,6 +9,7 @@ NUM_CLASSES = 10
 # Recipes (the README's "Recipes" shows each): switch these on where yours needs them.
 FIND_UNUSED_PARAMETERS = False  # True: a step may leave parameters out (DDP only)
 ALTERNATE = False  # True: build_optimizer's optimizers take turns, each on its own loss
+DROP_LAST = False  # True: no short last batch in a pass (Mixup's, which pairs samples)
 
 
 def build_datasets(args):

@@ -154,7 +154,7 @@ LOADER = "waits for its DataLoader workers"
 # stops at its next wait for the GPU instead. This file's functions that wait so
 # (.item(), .tolist(), a copy; train_pass and lockstep: at a stream's end, whether any
 # rank has more), and torch's: GradScaler's check for infs, clipping.
-HOST_SYNCS = {"check", "totals", "run_validation", "by_rank_0"}
+HOST_SYNCS = {"check", "run_validation", "by_rank_0"}
 {% if fsdp %}
 HOST_SYNCS |= {"broadcast_bytes", "preflight", "to_device", "train_pass", "lockstep"}
 {% else %}

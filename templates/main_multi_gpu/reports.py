@@ -93,7 +93,7 @@ class Reports(contextlib.ExitStack):
         if t.args.no_progress or not (self.is_main and at.epoch_samples):
             return  # (quiet; or a pass's end, whose row follows)
         done = math.ceil(at.epoch_samples / t.global_batch)  # the pass's updates done
-        per_pass = t.steps_per_pass and math.ceil(t.steps_per_pass / t.args.grad_accum)
+        per_pass = t.updates_per_pass
         mark = at.epoch, 10 * done // per_pass if per_pass else 0  # the pass's tenth
         if not self.live and mark == self.shown[0] and now - self.shown[1] < 300:
             return  # (a stream without a length: a line every 5 minutes)
@@ -117,10 +117,11 @@ class Reports(contextlib.ExitStack):
     def row(self, at, metrics):
         """An evaluation's row in metrics.csv (and the trackers), and its line: the
         training since the previous row (its steps; saves left out), then the
-        validation metrics. Every rank calls it (the loss is summed over ranks)."""
-        loss_sum, units = self.t.sums.totals(reset=True)
-        train_loss = loss_sum / units if units else math.nan
-        by_rank_0(self.t.device, self.write, at, train_loss, metrics)
+        validation metrics. Every rank calls it, after the check that summed the
+        training loss over the ranks."""
+        by_rank_0(self.t.device, self.write, at, self.t.sums.so_far, metrics)
+        self.t.sums.sums.zero_()  # counted afresh from here (a checkpoint: from 0)
+        self.t.sums.reduced = (0.0, 0.0)
         self.start_interval()
 
     def write(self, at, train_loss, metrics):

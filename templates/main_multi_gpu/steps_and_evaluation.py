@@ -1,7 +1,9 @@
 class LossSums:
     """This rank's training loss since the last evaluation, summed over units, and
     the units, on the device; and each micro-batch's (loss, n) since then, which fold()
-    adds up at each check, all at once: no tensor work a step."""
+    adds up at each check, all at once: no tensor work a step. The check adds the
+    sums up over the ranks, as `reduced`, and their mean, `so_far`: what an
+    evaluation's row and a checkpoint take."""
 
     def __init__(self, device, carried=(0.0, 0.0)):
         self.sums = torch.tensor(carried, dtype=torch.float64).to(device)  # loss, units
@@ -18,15 +20,6 @@ class LossSums:
         units = torch.stack([*map(to, ns)]) if any(map(torch.is_tensor, ns)) else to(ns)
         self.sums += torch.stack([loss @ units, units.sum()])
         return loss.float()
-
-    def totals(self, reset=False):
-        """(loss sum, units) over all ranks; reset: start counting afresh."""
-        self.fold()
-        totals = self.sums.clone()
-        if reset:
-            self.sums.zero_()
-        dist.all_reduce(totals)
-        return tuple(totals.tolist())
 
 
 class Step(nn.Module):
@@ -107,12 +100,13 @@ def check(t):
 {{ par.local_weights() }}
     finite = torch.stack([each.isfinite().all() for each in (recent, *weights)]).all()
     flags = torch.stack([finite.new_tensor(STOP_SIGNAL is not None), ~finite]).double()
-    flags = torch.cat([flags, t.sums.sums])  # and the loss so far, for the progress
+    flags = torch.cat([flags, t.sums.sums])  # and the loss so far (see LossSums)
     dist.all_reduce(flags)
     stop, diverged, loss_sum, units = flags.tolist()
     if diverged:
         raise diverged_failure(recent, t.sums.next_step, t.sums.epoch + 1, t.device)
     t.sums.next_step += len(recent)
+    t.sums.reduced = loss_sum, units  # over all ranks (see LossSums)
     t.sums.so_far = loss_sum / units if units else math.nan
     return stop > 0
 

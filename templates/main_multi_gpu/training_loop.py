@@ -185,7 +185,7 @@ class Training(argparse.Namespace):
     - scaler: --amp fp16's loss scaler (otherwise it does nothing)
     - train_data: what places a pass: a ResumableSampler, or a StreamShard
     - train_loader, val_loader: the DataLoaders (StreamLoaders for streams)
-    - steps_per_pass: micro-batches per pass and rank (None: a stream's, unknown)
+    - updates_per_pass: optimizer updates in a pass (None: a stream's, unknown)
     - global_batch, total_updates: samples per optimizer update, over all ranks;
       optimizer updates in the whole run
     - alone: one process, one micro-batch an update (the global batch is

@@ -19,7 +19,7 @@
 {% macro save_checkpoints() %}
 def save_checkpoints(t, at, names):
     """DDP change 4: rank 0 alone saves, the state at `at` under each name. (Every
-    rank calls it: the checkpoint's loss sums are added up over the ranks.)"""
+    rank calls it: a stream's states are gathered from every rank, see snapshot.)"""
     state = snapshot(t, at)
     for name in names:
         by_rank_0(t.device, save_atomic, state, Path(t.args.output_dir) / name)
