@@ -36,6 +36,8 @@ MANY_SHORT = ("test_run.py", "test_generation.py", "test_hooks.py", "test_docs.p
 # Files whose tests run on one worker, one after another, for minutes (xdist_group):
 # first, so that none is left running alone at the end.
 LONG_GROUPS = ("test_slurm.py", "test_elastic_hosts.py", "test_faults.py")
+# And the longest single test (a minute or two: 4 launches that import timm), as early.
+LONG_GROUPS += ("test_timm.py",)
 
 
 def pytest_collection_modifyitems(config, items):
