@@ -559,11 +559,13 @@ DROPPING = ["--num-workers", "0", "--val-size", "37", "--train-size", "50"]
 DROPPING += ["--epochs", "2", "--lr", "0.05", "--save-every", "4"]
 
 
-def test_drop_last_leaves_out_a_short_last_batch_and_resumes(tmp_path):
+@pytest.mark.parametrize("batch_sampler", [True, False], ids=["batch_sampler", "plain"])
+def test_drop_last_leaves_out_a_short_last_batch_and_resumes(tmp_path, batch_sampler):
     """DROP_LAST = True: 3 updates a pass (not 4); 2 x 8 trains as 1 x 16; a SIGTERM
     after the first update of pass 2, then the same command: the weights of a run never
-    stopped; a process's share smaller than --batch-size: refused in one line."""
-    project = bake(tmp_path / "project")
+    stopped; a process's share smaller than --batch-size: refused in one line. With
+    the DistributedSampler in a BatchSampler, and given to the DataLoader itself."""
+    project = bake(tmp_path / "project", use_batch_sampler=batch_sampler)
     without_batchnorm(project)
     edit(project, "DROP_LAST = False", "DROP_LAST = True")
     act_after_step(project)
