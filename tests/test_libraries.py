@@ -239,15 +239,9 @@ def tiny_language_model(folder, lines):
     return tiny_gpt2(folder, len(fast), 32, fast.eos_token_id)
 
 
-def test_the_readmes_lora_fine_tune_of_a_language_model(tmp_path):
-    """The README's recipe as written (transformers, peft, datasets.map, the
-    collator as collate_fn, flags of its own), on a tokenizer trained here and a tiny
-    GPT-2: 2 processes train the adapters alone (the base as loaded), rank 0 saved
-    the tokenizer, and the README's save_adapter.py writes an adapter folder that
-    peft's PeftModel.from_pretrained loads to the weights of model_final.pt."""
-    import peft
-    import transformers
-
+def lora_project(tmp_path, **answers):
+    """A project of the README's LoRA recipe as written, a tokenizer trained here and
+    a tiny GPT-2 of its vocabulary: (project, its flags, the base's weights)."""
     generator = torch.Generator().manual_seed(0)
     lines = [
         " ".join(WORDS[i] for i in torch.randint(len(WORDS), (n,), generator=generator))
@@ -256,14 +250,47 @@ def test_the_readmes_lora_fine_tune_of_a_language_model(tmp_path):
     base = tiny_language_model(tmp_path / "lm", lines)
     (tmp_path / "train.txt").write_text("\n".join(lines[:64]) + "\n")
     (tmp_path / "val.txt").write_text("\n".join(lines[64:]) + "\n")
-    project = bake(tmp_path / "project")
+    project = bake(tmp_path / "project", **answers)
     replace_user_functions(project, readme_block(project, "peft.LoraConfig("))
     args = ["--model", str(tmp_path / "lm"), "--seq-len", "16"]
     args += ["--train-file", str(tmp_path / "train.txt")]
     args += ["--val-file", str(tmp_path / "val.txt")]
     args += ["--epochs", "2", "--batch-size", "4", "--lr", "0.01"]
-    out = tmp_path / "out"
-    output = run_warm(project, out, 2, *args, "--num-workers", "0")
+    return project, args, base
+
+
+def saved_model_keys(path):
+    """The model's keys a checkpoint holds (a file, or FSDP2's folder), and its
+    size in bytes."""
+    if path.is_dir():
+        from torch.distributed.checkpoint import FileSystemReader
+
+        names = FileSystemReader(path).read_metadata().state_dict_metadata
+        keys = {key.removeprefix("model.") for key in names if key.startswith("model.")}
+        return keys, sum(f.stat().st_size for f in path.iterdir())
+    return set(load_weights(path)["model"]), path.stat().st_size
+
+
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp2"])
+def test_the_readmes_lora_fine_tune_of_a_language_model(tmp_path, parallelism):
+    """The README's recipe as written (transformers, peft, datasets.map, the
+    collator as collate_fn, flags of its own), on a tokenizer trained here and a tiny
+    GPT-2: 2 processes train the adapters alone (the base as loaded), rank 0 saved
+    the tokenizer, and the README's save_adapter.py writes an adapter folder that
+    peft's PeftModel.from_pretrained loads to the weights of model_final.pt.
+
+    Its checkpoints hold the adapters, not the frozen base, which a resume builds
+    again with build_model (checked against the fingerprints the checkpoint keeps):
+    stopped after a pass and resumed, the run ends where one never stopped ends;
+    --evaluate of the checkpoint scores what model_final.pt scores; a base that
+    build_model() now loads otherwise is refused in one line."""
+    import peft
+    import transformers
+
+    project, args, base = lora_project(tmp_path, parallelism=parallelism)
+    args += ["--num-workers", "0"]
+    out, cut = tmp_path / "out", tmp_path / "cut"
+    output = run_warm(project, out, 2, *args)
     assert output.count("val_loss") == 2, output
 
     final = load_weights(out / "model_final.pt")
@@ -288,3 +315,39 @@ def test_the_readmes_lora_fine_tune_of_a_language_model(tmp_path):
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "lm")
     loaded = peft.PeftModel.from_pretrained(model, out / "adapter").state_dict()
     assert max_difference(loaded, final) == 0
+
+    # The checkpoint after one pass: the adapters, and the base's names alone.
+    run_warm(project, cut, 2, *args, "--epochs", "1")
+
+    name = "checkpoint_last" + ("" if parallelism == "fsdp2" else ".pt")
+    after_one = load_weights(cut / "model_final.pt")  # the whole model
+    keys, size = saved_model_keys(cut / name)
+    state = cut / name / "train_state.pt" if parallelism == "fsdp2" else cut / name
+    base_names = {k for k in after_one if "lora_" not in k}
+    assert keys == set(after_one) - base_names, keys  # the adapters alone
+    assert set(load_weights(state)["frozen"]) == base_names
+    # With the base it would be more than the whole model, its optimizer state besides.
+    assert size < (cut / "model_final.pt").stat().st_size
+
+    evaluated = [
+        run_warm(project, cut, 2, *args, "--evaluate", str(cut / file)).splitlines()[-1]
+        for file in ("model_final.pt", name)
+    ]
+    assert evaluated[0].split("val_")[1:] == evaluated[1].split("val_")[1:], evaluated
+
+    run_warm(project, cut, 2, *args)  # resumed: pass 2
+    assert max_difference(load_weights(cut / "model_final.pt"), final) < 1e-6
+
+    # Another base where the checkpoint's was: one line, no resume.
+    other = tmp_path / "other"
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "lm")
+    with torch.no_grad():
+        model.transformer.h[1].mlp.c_fc.weight[0, 0] += 0.01
+    model.save_pretrained(other)
+    for file in (tmp_path / "lm").glob("*token*"):
+        (other / file.name).write_bytes(file.read_bytes())
+    changed = [*args, "--model", str(other), "--epochs", "3"]
+    output = run_warm(project, cut, 2, *changed, expect=1)
+    weight = "base_model.model.transformer.h.1.mlp.c_fc.weight"
+    said = f"error: {cut / name} leaves out {weight} (frozen), which build_model()"
+    assert [line[: len(said)] for line in error_lines(output)] == [said], output

@@ -586,3 +586,33 @@ def test_drop_last_leaves_out_a_short_last_batch_and_resumes(tmp_path, batch_sam
     output = run_warm(project, tmp_path / "big", 2, *DROPPING, *big, expect=2)
     share = "(25 samples a process): lower --batch-size"
     assert error_lines(output) == [f"error: DROP_LAST leaves no batch {share}"], output
+
+
+# Two parameters that do not train: one never changes, the other counts the
+# optimizer's updates (as a buffer of one's own, or an EMA's weights, would change).
+FROZEN = """
+def build_optimizer(model, args, total_updates):
+    model.register_parameter("still", nn.Parameter(torch.ones(3), requires_grad=False))
+    model.register_parameter("count", nn.Parameter(torch.zeros(()), requires_grad=False))
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    optimizer.register_step_post_hook(lambda *_: model.count.add_(1))
+    return optimizer, None
+"""
+
+
+def test_a_checkpoint_leaves_out_a_frozen_parameter_only_as_built(tmp_path):
+    """A checkpoint leaves out a frozen parameter still as build_model() (and
+    build_optimizer) made it, and saves one that changed since: resumed after the
+    first pass's 4 updates, the count goes on to 8."""
+    project = bake(tmp_path / "project")
+    replace_user_functions(project, FROZEN)
+    out = tmp_path / "out"
+    run_warm(project, out, 1, *COMMON, "--batch-size", "16", "--epochs", "1")
+    checkpoint = load_weights(out / "checkpoint_last.pt")
+    assert "still" not in checkpoint["model"] and "still" in checkpoint["frozen"]
+    assert (
+        checkpoint["model"]["count"].item() == 4 and "count" not in checkpoint["frozen"]
+    )
+    run_warm(project, out, 1, *COMMON, "--batch-size", "16", "--epochs", "2")
+    assert final(out)["count"].item() == 8
+    assert final(out)["still"].tolist() == [1, 1, 1]

@@ -5,6 +5,7 @@ def snapshot(t, at):
     """Everything a resume needs: the state at `at`, right after a check (which
     summed the loss over the ranks). Every rank calls it: a stream's states are
     gathered."""
+    frozen = left_out(t)  # a frozen base, not written again at every save
     return {
 {{ saving.snapshot_tensors() }}
         "scheduler": packed({k: s and s.state_dict() for k, s in t.schedulers.items()}),
@@ -18,6 +19,7 @@ def snapshot(t, at):
         "train_sums": list(t.sums.reduced),  # loss sum and units, over all ranks
         "global_batch": [dist.get_world_size(), t.args.batch_size, t.args.grad_accum],
         "total_updates": t.total_updates,
+        "frozen": frozen,  # the parameters left out, with their fingerprints
 {% if strategy == "best" %}
         "best_val_loss": t.best_val_loss,
 {% endif %}
@@ -152,6 +154,53 @@ def load_weights(model, weights, path, advice=""):
         raise failure(f"error: {path} {why}") from err
 
 
+def fingerprints(model, names=None):
+    """{name: [sum, sum of squares]} in float64 of the model's parameters `names`
+    (by default those that do not train: a frozen base, peft's, a teacher's): what
+    tells whether one is still as build_model() made it."""
+    if names is None:
+        named = model.named_parameters(remove_duplicate=False)  # tied: each name
+        names = [name for name, p in named if not p.requires_grad]
+    params = model.state_dict(keep_vars=True)  # (FSDP2's: sharded, as it saves them)
+    names = [name for name in names if name in params]
+    if not names:
+        return {}
+    f64 = torch.float64
+{% if fsdp %}
+    weights = [local(params[name]) for name in names]
+{% else %}
+    weights = [params[name] for name in names]
+{% endif %}
+    sums = [torch.stack([w.sum(dtype=f64), w.square().sum(dtype=f64)]) for w in weights]
+    sums = torch.stack(sums)
+{% if fsdp %}
+    dist.all_reduce(sums)  # over every rank's shards
+{% endif %}
+    return dict(zip(names, sums.tolist(), strict=True))
+
+
+def left_out(t):
+    """The frozen parameters a checkpoint leaves out, with their fingerprints: those
+    still as build_model() made them at the start of this run (t.frozen), which a
+    resume builds again. One trained, or loaded from a checkpoint, is saved."""
+    now = fingerprints(t.model)
+    return {name: sums for name, sums in now.items() if t.frozen.get(name) == sums}
+
+
+def frozen_as_built(model, checkpoint, path, advice=""):
+    """{name: the model's own} of the frozen parameters `checkpoint` left out (see
+    left_out), once checked: the model build_model() made holds them as they were,
+    or one line."""
+    saved = checkpoint.get("frozen", {})  # (none before template 1.5.0)
+    now = fingerprints(model, list(saved))
+    close = functools.partial(math.isclose, rel_tol=1e-6, abs_tol=1e-6)
+    for name, sums in saved.items():
+        if not all(map(close, now.get(name, [math.nan] * 2), sums)):  # (nan: gone)
+            why = "which build_model() now makes otherwise"
+            raise failure(f"error: {path} leaves out {name} (frozen), {why}{advice}")
+    return {k: v for k, v in model.state_dict().items() if k in saved}
+
+
 def broadcast_bytes(data, device, src=0):
     """Rank src's bytes, on every rank, as a bytearray (None where it has None): a
     size, then the bytes as a uint8 tensor. (all_gather_object and friends would need
@@ -223,6 +272,7 @@ def resume(t, checkpoint, out_dir):
     """Restore the state a checkpoint holds, trim metrics.csv to its updates, and
     return the Position training goes on from."""
     at, carried = Position(), (0.0, 0.0)
+    t.frozen = fingerprints(t.model)  # as build_model() made them (see left_out)
     if checkpoint is not None:
         advice = "; start afresh with --resume never or another --output-dir"
         if not same_optimizer(t, checkpoint):  # build_optimizer() changed since

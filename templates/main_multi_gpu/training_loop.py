@@ -175,8 +175,8 @@ def print0(*args, **kwargs):
 
 
 class Training(argparse.Namespace):
-    """What the loop works with, built by build_training() (sums: by resume()), as
-    t.NAME:
+    """What the loop works with, built by build_training() (sums, frozen: by
+    resume()), as t.NAME:
     - args, device: the command line; this process's device
 {{ par.training_fields() }}
     - evaluated: the model, or what keep(..., evaluate=) named instead
@@ -191,6 +191,8 @@ class Training(argparse.Namespace):
     - alone: one process, one micro-batch an update (the global batch is
       --batch-size): an update's gradients are its micro-batch's own (see update())
     - sums: the LossSums of the training since the last evaluation
+    - frozen: the fingerprints of the parameters that do not train, as built (see
+      left_out)
     - trained: every parameter of the Step, whose gradients update() clears
 {% if strategy == "best" %}
     - best_val_loss: the lowest validation loss so far

@@ -28,7 +28,7 @@ def save_checkpoints(t, at, names):
 {% macro snapshot_tensors() %}
         # DDP change 4: the plain model (not the DDP wrapper, nor torch.compile's), so
         # the weights load without either and without a "module." prefix in keys.
-        "model": t.model.state_dict(),
+        "model": {k: v for k, v in t.model.state_dict().items() if k not in frozen},
         "optimizer": packed({k: o.state_dict() for k, o in t.optimizers.items()}),
         # The weights evaluation uses, where keep() named others (for --evaluate).
         "evaluated": None if t.evaluated is t.model else t.evaluated.state_dict(),
@@ -51,7 +51,8 @@ def load_checkpoint(resume, last_path, device):
 {%- endmacro %}
 
 {% macro resume_tensors() %}
-        load_weights(t.model, checkpoint["model"], checkpoint["path"], advice)
+        own = frozen_as_built(t.model, checkpoint, checkpoint["path"], advice)
+        load_weights(t.model, own | checkpoint["model"], checkpoint["path"], advice)
         for name, state in unpacked(t, checkpoint["optimizer"]).items():
             t.optimizers[name].load_state_dict(state)
 {%- endmacro %}

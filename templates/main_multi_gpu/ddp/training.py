@@ -162,7 +162,8 @@ def check_reduced(t):
     _, val_set = checked_datasets(args)
     model = build_model(args).to(device)
     if "optimizer" in saved:  # a checkpoint: the weights its evaluation used
-        saved = saved.get("evaluated") or saved["model"]  # see keep()
+        own = frozen_as_built(model, saved, path)  # what it left out (see left_out)
+        saved = saved.get("evaluated") or own | saved["model"]  # see keep()
     load_weights(model, saved, path)
 {%- endmacro %}
 

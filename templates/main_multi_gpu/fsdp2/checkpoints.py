@@ -27,6 +27,8 @@ def save_checkpoints(t, at, names):
     state = snapshot(t, at)
     optimizers = list(t.optimizers.values())
     shards = dict(zip(("model", "optimizer"), get_state_dict(t.model, optimizers)))
+    frozen = state["frozen"]  # left out: see left_out
+    shards["model"] = {k: v for k, v in shards["model"].items() if k not in frozen}
     out_dir = Path(t.args.output_dir)
     tmp = out_dir / f"{names[0]}.tmp"
     if dist.get_rank() == 0:
@@ -96,15 +98,17 @@ def load_checkpoint(resume, last_path, device):
     return None if checkpoint is None else checkpoint | {"path": str(path)}
 
 
-def load_shards(model, optimizer, path, verb, advice=""):
+def load_shards(model, optimizer, path, verb, advice="", frozen=()):
     """FSDP2: the model's (and the optimizer's, if given) shards from a checkpoint
-    folder, resharded for this run's number of ranks; one line if they do not fit."""
+    folder, resharded for this run's number of ranks; one line if they do not fit.
+    The `frozen` parameters it left out keep the model's own (see frozen_as_built)."""
     if optimizer is None:
         shards = {"model": get_model_state_dict(model)}
     else:
         shards = dict(zip(("model", "optimizer"), get_state_dict(model, optimizer)))
+    saved = {k: v for k, v in shards["model"].items() if k not in frozen}
     try:
-        dcp.load(shards, checkpoint_id=path)
+        dcp.load(shards | {"model": saved}, checkpoint_id=path)  # into the same tensors
     except Exception as err:  # DCP wraps every rank's error in one
         reason = [line for line in str(err).splitlines() if "Error" in line]
         reason = (reason or [repr(err)])[-1].split("Error: ")[-1].strip()
@@ -132,6 +136,7 @@ def load_shards(model, optimizer, path, verb, advice=""):
 {%- endmacro %}
 
 {% macro resume_tensors() %}
-        optimizers = list(t.optimizers.values())
-        load_shards(t.model, optimizers, checkpoint["path"], "resume from", advice)
+        optimizers, path = list(t.optimizers.values()), checkpoint["path"]
+        frozen = frozen_as_built(t.model, checkpoint, path, advice)
+        load_shards(t.model, optimizers, path, "resume from", advice, frozen)
 {%- endmacro %}

@@ -186,7 +186,9 @@ def local(tensor):
     _, val_set = checked_datasets(args)
     model = build_sharded(args, device)  # evaluated in the root of the sharding
     if path.is_dir():  # a checkpoint folder: its shards, resharded for this run
-        load_shards(model.model, None, path, "evaluate")
+        saved = load_shared(path / "train_state.pt", device, "evaluate")
+        frozen = frozen_as_built(model.model, saved, path)
+        load_shards(model.model, None, path, "evaluate", frozen=frozen)
     else:
         saved = load_shared(path, device, "evaluate")
         weights = saved["model"] if "optimizer" in saved else saved
