@@ -334,17 +334,6 @@ def mlflow_run(run_id, config, out_dir, args):
 TRACKERS = {"tensorboard": tensorboard_run, "wandb": wandb_run, "mlflow": mlflow_run}
 
 
-def report_outputs(out_dir, evaluated, trackers):
-    """One line at the end: where the results are (the README's "Experiment
-    trackers" says how to look at each tracker's), and the trackers dropped."""
-    parts = [f"weights {out_dir}/model_final.pt"]
-    parts += [f"evaluated {out_dir}/model_final_{name}.pt" for name in evaluated]
-    parts.append(f"metrics {out_dir}/metrics.csv")
-    dropped = trackers.dropped if trackers else {}
-    parts += [f"dropped: {name} ({why})" for name, why in dropped.items()]
-    print("done: " + ", ".join(parts), flush=True)
-
-
 def preflight(device, backend):
     """Every rank reports where it runs, then one all-reduce and a bandwidth probe."""
     rank, world_size = dist.get_rank(), dist.get_world_size()

@@ -252,17 +252,23 @@ def train(args, device):
 
 def save_final(weights, evaluated, out_dir, trackers):
     """Rank 0, at the run's end: model_final.pt (and the evaluated weights, when
-    keep() named others), the trackers' end, and where they all are."""
+    keep() named others), the trackers' end, and one line: where the results are (the
+    README's "Experiment trackers" says how to look at each tracker's), and the
+    trackers dropped."""
     save_atomic(weights, out_dir / "model_final.pt")
+    parts = [f"weights {out_dir}/model_final.pt"]
     for name, state in evaluated.items():
         save_atomic(state, out_dir / f"model_final_{name}.pt")
+        parts.append(f"evaluated {out_dir}/model_final_{name}.pt")
+    parts.append(f"metrics {out_dir}/metrics.csv")
 {% if strategy == "final_only" %}
     # final_only: the checkpoint a stop or --save-every wrote goes
 {{ saving.remove_last_checkpoint() }}
 {% endif %}
     if trackers:  # ended before the line that says which were dropped
         trackers.end(0)
-    report_outputs(out_dir, evaluated, trackers)
+        parts += [f"dropped: {name} ({why})" for name, why in trackers.dropped.items()]
+    print("done: " + ", ".join(parts), flush=True)
 
 
 def finished(args, at):
