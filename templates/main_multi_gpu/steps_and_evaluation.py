@@ -11,9 +11,8 @@ class LossSums:
         # train_pass() sets .epoch and .next_step: the pass and micro-batch of recent[0]
 
     def fold(self):
-        """Add the recent micro-batches to the sums; return their losses (float32)."""
-        if not self.recent:
-            return self.sums.new_zeros(0, dtype=torch.float32)
+        """Add the recent micro-batches to the sums; return their losses (float32).
+        Called by the check after each update's: there is always one at least."""
         loss, ns = zip(*self.recent)
         self.recent, loss = [], torch.stack(loss).double()  # each micro-batch's
         to = functools.partial(torch.as_tensor, dtype=loss.dtype, device=loss.device)
