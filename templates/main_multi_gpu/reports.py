@@ -61,12 +61,11 @@ class Reports(contextlib.ExitStack):
         if self.stepping:
             self.stepping, self.trained = False, time.perf_counter()
 
-    @contextlib.contextmanager
-    def aside(self):
-        """Work between steps that is not training (a save): in epoch_s, but kept out
-        of the steps' times and samples_per_s."""
+    def save(self, at, names):
+        """save_checkpoints(), between steps: not training, so in epoch_s, but kept
+        out of the steps' times and samples_per_s."""
         tick = time.perf_counter()
-        yield
+        save_checkpoints(self.t, at, names)
         self.aside_s += time.perf_counter() - tick
 
     def batches(self, data, at):

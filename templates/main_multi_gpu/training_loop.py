@@ -415,23 +415,19 @@ def after_update(t, at, reports, last):
     if stop or saving or end:
         names.append("checkpoint_last{{ saving.ext }}")
     if names:
-        with reports.aside():  # not training: kept out of the step times
-            save_checkpoints(t, at, names)
+        reports.save(at, names)
 {% elif strategy == "every_epoch" %}
     if stop or saving or end:
         names = ["checkpoint_last{{ saving.ext }}"]
         if last:
             names.append(f"checkpoint_epoch{at.epoch:03d}{{ saving.ext }}")
-        with reports.aside():  # not training: kept out of the step times
-            save_checkpoints(t, at, names)
+        reports.save(at, names)
 {% elif strategy == "final_only" %}
     if stop or saving:  # final_only keeps none at a pass's end
-        with reports.aside():  # not training: kept out of the step times
-            save_checkpoints(t, at, ["checkpoint_last{{ saving.ext }}"])
+        reports.save(at, ["checkpoint_last{{ saving.ext }}"])
 {% else %}
     if stop or saving or end:
-        with reports.aside():  # not training: kept out of the step times
-            save_checkpoints(t, at, ["checkpoint_last{{ saving.ext }}"])
+        reports.save(at, ["checkpoint_last{{ saving.ext }}"])
 {% endif %}
     return stop
 
