@@ -210,7 +210,6 @@ def evaluate_saved(args, device):
 {{ par.load_for_evaluation() }}
     metrics = run_validation(model, build_val_loader(val_set, args, device), device)
     print0(f"evaluate {path}  {one_line(metrics, 'val_')}")
-    return 0
 
 
 def one_line(values, prefix=""):

@@ -30,11 +30,11 @@ def run(args):
         signal.signal(signum, on_stop_signal)
     WATCH.start(store, args.dist_timeout)
     try:
+        status = 0  # (--preflight and --evaluate: an error raises)
         if args.preflight:
             preflight(device, dist.get_backend())
-            status = 0
         elif args.evaluate:
-            status = evaluate_saved(args, device)
+            evaluate_saved(args, device)
         else:
             status = train(args, device)
         dist.barrier()  # everyone finishes together, after rank 0's last save
