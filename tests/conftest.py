@@ -36,8 +36,6 @@ MANY_SHORT = ("test_run.py", "test_generation.py", "test_hooks.py", "test_docs.p
 # Files whose tests run on one worker, one after another, for minutes (xdist_group):
 # first, so that none is left running alone at the end.
 LONG_GROUPS = ("test_slurm.py", "test_elastic_hosts.py", "test_faults.py")
-# And the longest single test (a minute or two: 4 launches that import timm), as early.
-LONG_GROUPS += ("test_timm.py",)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -241,28 +239,29 @@ def run_single(project, out_dir, nproc, *args, env=None, expect=0):
     return output
 
 
-WARM = None  # this test worker's warm_start.py interpreter, once started
+WARM = {}  # this test worker's warm_start.py interpreters, by python, once started
 
 
-def run_warm(project, out_dir, nproc, *args, env=None, expect=0):
+def run_warm(project, out_dir, nproc, *args, env=None, expect=0, preload=(), python=None):
     """What run_single() does, for the tests of what training computes, without the
     imports of a fresh launch: the ranks run main_multi_gpu.py forked from an
-    interpreter that imported torch once (warm_start.py), as their launcher (torchrun
-    or mp.spawn) would start them."""
-    global WARM
+    interpreter that imported torch once (warm_start.py; `python`'s, this one's by
+    default), as their launcher (torchrun or mp.spawn) would start them."""
     # A path of the test's own (a sitecustomize, a module made to fail): a fresh
     # launch. Fewer paths: the ranks leave them out of sys.path.
     ours = os.environ.get("PYTHONPATH", "")
     paths = (env or {}).get("PYTHONPATH", ours).split(os.pathsep)
     if not set(paths) - {""} <= set(ours.split(os.pathsep)):
         return run_single(project, out_dir, nproc, *args, env=env, expect=expect)
-    if WARM is None or WARM.poll() is not None:
-        WARM = subprocess.Popen(
-            [sys.executable, str(TEMPLATE / "tests" / "warm_start.py")],
+    python = str(python or sys.executable)
+    if python not in WARM or WARM[python].poll() is not None:
+        WARM[python] = subprocess.Popen(
+            [python, str(TEMPLATE / "tests" / "warm_start.py")],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
         )
+    warm = WARM[python]
     script = (project / "run_single.sh").read_text()
     with tempfile.NamedTemporaryFile("r", suffix=".log") as log:
         job = {
@@ -273,14 +272,15 @@ def run_warm(project, out_dir, nproc, *args, env=None, expect=0):
             "launcher": "torchrun" if "--torchrun" in script else "spawn",
             "env": {**os.environ, **(env or {})},
             "output": log.name,
+            "preload": list(preload),  # see warm_start.py
         }
-        WARM.stdin.write(json.dumps(job) + "\n")
-        WARM.stdin.flush()
-        leader = json.loads(WARM.stdout.readline())["pid"]
-        if not select.select([WARM.stdout], [], [], JOB_TIMEOUT)[0]:
+        warm.stdin.write(json.dumps(job) + "\n")
+        warm.stdin.flush()
+        leader = json.loads(warm.stdout.readline())["pid"]
+        if not select.select([warm.stdout], [], [], JOB_TIMEOUT)[0]:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(leader, signal.SIGKILL)
-        code = json.loads(WARM.stdout.readline())["code"]
+        code = json.loads(warm.stdout.readline())["code"]
         output = log.read()
     assert code == expect, output
     return output

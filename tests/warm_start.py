@@ -18,10 +18,14 @@ project each imports it as __mp_main__ and calls its worker(), as mp.spawn's
 processes do. Output goes to the job's file. The leader's exit status is the first failing rank's, as
 run_single.sh's (0, 2, 130, 143, ...); a rank killed by a signal counts as 1.
 
+A job may name libraries to `preload` (the Hugging Face tests': transformers, peft,
+datasets): imported here before its ranks fork, once, and kept for the jobs after it.
+
 Run as a program, this file is that interpreter: it reads one job per line (JSON)
 on stdin and answers two lines, the leader's pid and, when the job is over, its exit
 status."""
 
+import importlib
 import json
 import os
 import signal
@@ -132,6 +136,9 @@ def main():
     assert threading.active_count() == 1, "a fork needs a process without threads"
     for line in sys.stdin:
         job = json.loads(line)
+        for name in job.get("preload", ()):  # a library the job's edit zone imports
+            importlib.import_module(name)
+        assert threading.active_count() == 1, f"{job['preload']} started a thread"
         sys.stdout.flush()
         pid = os.fork()
         if pid == 0:

@@ -157,6 +157,7 @@ LOADER = "waits for its DataLoader workers"
 HOST_SYNCS = {"check", "run_validation", "by_rank_0"}
 {% if fsdp %}
 HOST_SYNCS |= {"broadcast_bytes", "preflight", "to_device", "train_pass", "lockstep"}
+HOST_SYNCS |= {"fingerprints"}  # (a checkpoint's: the frozen parameters' sums)
 {% else %}
 HOST_SYNCS |= {"broadcast_bytes", "preflight", "to_device", "train_pass"}
 {% endif %}
