@@ -161,16 +161,21 @@ def seconds_to_train_again(job, since, timeout=60):
     return time.monotonic() - since
 
 
-def lose_host_mid_run(job, three, lost_host, marker, how="killed", *args, at="1:0"):
+def lose_host_mid_run(
+    job, three, lost_host, marker, how="killed", *args, at="1:0", stop=None
+):
     """Start the three hosts; when the rank on `lost_host` (its rank too) has done
     update 5 (`at`, pass:step, says another; the last save: update 4), kill every
-    process there, or cut its network (its link down: the others get no word of it).
-    Returns when."""
+    process there, or cut its network (its link down: the others get no word of it);
+    host `stop`, if given, is stopped (SIGSTOP) just before, for the caller to
+    continue. Returns when."""
     action = f"open({str(marker)!r}, 'w').close(); time.sleep(60)"
     for index in range(3):
         here = f"{lost_host}:{at}"
         job.start(index, *args, TEST_ACT_AT=here, TEST_ACTION=action)
     wait_for(marker, job)
+    if stop is not None:
+        signal_host(three[stop][0], signal.SIGSTOP)
     namespace = three[lost_host][0]
     if how == "killed":
         kill_namespace(namespace)
@@ -267,13 +272,16 @@ def test_a_busy_machine_is_not_a_lost_one(project, straight, tmp_path):
 def freeze(namespace, seconds):
     """Stop every process of a host for `seconds` (SIGSTOP, then SIGCONT): a machine
     whose CPU its other work takes for that long, torchrun's heartbeat thread too."""
+    signal_host(namespace, signal.SIGSTOP)
+    time.sleep(seconds)
+    signal_host(namespace, signal.SIGCONT)
+
+
+def signal_host(namespace, signum):
     found = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True)
-    pids = found.stdout.split()
-    for signum in (signal.SIGSTOP, signal.SIGCONT):
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid), signum)
-        time.sleep(seconds if signum == signal.SIGSTOP else 0)
+    for pid in found.stdout.split():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), signum)
 
 
 @needs_netns
@@ -300,15 +308,18 @@ def test_a_machine_that_stalls_for_seconds_is_not_a_lost_one(
 def test_a_machine_stalled_past_dist_timeout_is_not_called_the_host_lost(
     project, tmp_path
 ):
-    """As above, with DIST_TIMEOUT=5 and host 1 frozen for 15 s: host 0, which hosts
-    the rendezvous, forms no round within 5 s and ends in one line that says so (it
-    said "lost the rendezvous ... with the machine that hosts it": itself, alive).
-    Host 1, woken, finds host 0 gone and says that."""
+    """As above, with DIST_TIMEOUT=5 and host 1 frozen for 15 s, from just before
+    host 2 is lost (frozen after, it could have joined the next round already, which
+    then forms when it wakes): host 0, which hosts the rendezvous, forms no round
+    within 5 s and ends in one line that says so (it said "lost the rendezvous ...
+    with the machine that hosts it": itself, alive). Host 1, woken, finds host 0 gone
+    and says that."""
     out = tmp_path / "out"
     with hosts(3) as three:
         job = Job(project, out, three, env={"DIST_TIMEOUT": "5"})
-        lose_host_mid_run(job, three, 2, tmp_path / "lost")
-        freeze(three[1][0], 15)
+        lose_host_mid_run(job, three, 2, tmp_path / "lost", stop=1)
+        time.sleep(15)
+        signal_host(three[1][0], signal.SIGCONT)
         codes = [job.wait(0), job.wait(1)]
         host0, host1 = job.log(0), job.log(1)
         at = f"{three[0][1]}:{job.port}"
