@@ -12,7 +12,7 @@ class LossSums:
 
     def fold(self):
         """Add the recent micro-batches to the sums; return their losses (float32).
-        Called by the check after each update's: there is always one at least."""
+        Its one caller, the check after an update, has one at least."""
         loss, ns = zip(*self.recent)
         self.recent, loss = [], torch.stack(loss).double()  # each micro-batch's
         to = functools.partial(torch.as_tensor, dtype=loss.dtype, device=loss.device)
