@@ -242,7 +242,9 @@ def run_single(project, out_dir, nproc, *args, env=None, expect=0):
 WARM = {}  # this test worker's warm_start.py interpreters, by python, once started
 
 
-def run_warm(project, out_dir, nproc, *args, env=None, expect=0, preload=(), python=None):
+def run_warm(
+    project, out_dir, nproc, *args, env=None, expect=0, preload=(), python=None
+):
     """What run_single() does, for the tests of what training computes, without the
     imports of a fresh launch: the ranks run main_multi_gpu.py forked from an
     interpreter that imported torch once (warm_start.py; `python`'s, this one's by
@@ -252,6 +254,9 @@ def run_warm(project, out_dir, nproc, *args, env=None, expect=0, preload=(), pyt
     ours = os.environ.get("PYTHONPATH", "")
     paths = (env or {}).get("PYTHONPATH", ours).split(os.pathsep)
     if not set(paths) - {""} <= set(ours.split(os.pathsep)):
+        if python:  # (run_single.sh's python3: the first on PATH)
+            env = {**(env or {}), "PATH": f"{Path(python).parent}{os.pathsep}"}
+            env["PATH"] += os.environ["PATH"]
         return run_single(project, out_dir, nproc, *args, env=env, expect=expect)
     python = str(python or sys.executable)
     if python not in WARM or WARM[python].poll() is not None:

@@ -289,8 +289,8 @@ def test_the_readmes_lora_fine_tune_of_a_language_model(tmp_path, parallelism):
     Its checkpoints hold the adapters, not the frozen base, which a resume builds
     again with build_model (checked against the fingerprints the checkpoint keeps):
     stopped after a pass and resumed, the run ends where one never stopped ends;
-    --evaluate of the checkpoint scores what model_final.pt scores; a base that
-    build_model() now loads otherwise is refused in one line."""
+    --evaluate of the checkpoint prints the numbers of the pass that wrote it; a
+    base that build_model() now loads otherwise is refused in one line."""
     import peft
     import transformers
 
